@@ -1,0 +1,346 @@
+"""Per-position logprob records: the one on-disk format both the oracle and the engine side write.
+
+Format `ds41-record/1` (docs/RECORDS.md): one safetensors file of flat arrays, with provenance and the
+sequence table as JSON in the safetensors metadata. No pickle. Writes are atomic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+
+FORMAT_VERSION = "ds41-record/1"
+CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
+
+Side = Literal["oracle", "engine"]
+
+
+class RecordError(ValueError):
+    """A record is malformed; the message names the sequence and position."""
+
+
+class RecordMismatch(RecordError):
+    """Two records cannot be compared (panel, tokenizer, format or token ids differ)."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    side: Side
+    panel_name: str
+    panel_version: str
+    panel_hash: str
+    tokenizer_hash: str
+    source: dict[str, Any] = field(default_factory=dict)
+    precision: str = "unknown"
+    code_version: str = ""
+    created: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Provenance":
+        data = json.loads(text)
+        return cls(**data)
+
+    @staticmethod
+    def now() -> str:
+        return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class SequenceScores:
+    """One sequence as a writer builds it: per-position arrays hold one row per scored position."""
+
+    seq_id: str
+    domain: str
+    token_ids: np.ndarray
+    scored: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    actual_logprob: np.ndarray
+    actual_rank: np.ndarray
+    logsumexp: np.ndarray | None = None
+    full_logprobs: np.ndarray | None = None
+    ambiguous: np.ndarray | None = None
+
+
+def _where(seq_id: str, pos: int | None = None) -> str:
+    return f"sequence {seq_id!r}" + (f" position {pos}" if pos is not None else "")
+
+
+def _validate_sequence(s: SequenceScores, k: int) -> None:
+    tok = np.asarray(s.token_ids)
+    scored = np.asarray(s.scored, dtype=bool)
+    if tok.ndim != 1 or scored.shape != tok.shape:
+        raise RecordError(f"{_where(s.seq_id)}: token_ids {tok.shape} and scored {scored.shape} lengths differ")
+    if tok.size and scored[0]:
+        raise RecordError(f"{_where(s.seq_id, 0)}: position 0 has no distribution and cannot be scored")
+    positions = np.flatnonzero(scored)
+    n = positions.size
+    expect = {"topk_ids": (n, k), "topk_logprobs": (n, k), "actual_logprob": (n,), "actual_rank": (n,)}
+    for name, shape in expect.items():
+        got = np.asarray(getattr(s, name)).shape
+        if got != shape:
+            raise RecordError(f"{_where(s.seq_id)}: {name} has shape {got}, expected {shape} "
+                              f"({n} scored positions, k={k})")
+    for name in ("logsumexp", "ambiguous"):
+        arr = getattr(s, name)
+        if arr is not None and np.asarray(arr).shape != (n,):
+            raise RecordError(f"{_where(s.seq_id)}: {name} has shape {np.asarray(arr).shape}, expected ({n},)")
+    if s.full_logprobs is not None and (np.asarray(s.full_logprobs).ndim != 2 or len(s.full_logprobs) != n):
+        raise RecordError(f"{_where(s.seq_id)}: full_logprobs must be [scored positions, vocab]")
+    actual = np.asarray(s.actual_logprob, dtype=np.float64)
+    bad = ~np.isfinite(actual) & ~(actual == -np.inf)
+    bad |= actual > 1e-6
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: actual-token logprob {actual[i]!r} is not a valid logprob")
+    lp = np.asarray(s.topk_logprobs, dtype=np.float64)
+    ids = np.asarray(s.topk_ids)
+    bad_lp = np.isnan(lp) | (lp == np.inf) | (lp > 1e-6)
+    if bad_lp.any():
+        i, j = np.argwhere(bad_lp)[0]
+        raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: top-{j + 1} logprob {lp[i, j]!r} is not a valid logprob")
+    pad = ids < 0
+    if (pad & np.isfinite(lp)).any():
+        i, j = np.argwhere(pad & np.isfinite(lp))[0]
+        raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: padded top-k slot {j} carries a finite logprob")
+    if k > 1:
+        finite = np.where(pad, -np.inf, lp)
+        rising = np.diff(finite, axis=1) > 1e-9
+        if rising.any():
+            i, j = np.argwhere(rising)[0]
+            raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: top-k logprobs are not in rank order at slot {j + 1}")
+        dup = np.sort(np.where(pad, -1 - np.arange(k), ids), axis=1)
+        if (np.diff(dup, axis=1) == 0).any():
+            i = int(np.argwhere(np.diff(dup, axis=1) == 0)[0][0])
+            raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: duplicate id in top-k")
+
+
+@dataclass
+class Record:
+    """Columnar record of many sequences; see docs/DESIGN.md for every array's meaning."""
+
+    provenance: Provenance
+    k: int
+    seq_ids: list[str]
+    domains: list[str]
+    seq_offsets: np.ndarray
+    token_ids: np.ndarray
+    scored: np.ndarray
+    pos_seq: np.ndarray
+    pos_index: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    actual_logprob: np.ndarray
+    actual_rank: np.ndarray
+    logsumexp: np.ndarray | None = None
+    full_logprobs: np.ndarray | None = None
+    ambiguous: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_sequences(cls, provenance: Provenance, sequences: Iterable[SequenceScores], k: int | None = None) -> "Record":
+        seqs = list(sequences)
+        if not seqs:
+            raise RecordError("a record needs at least one sequence")
+        if k is None:
+            k = int(np.asarray(seqs[0].topk_ids).shape[1])
+        ids_seen: set[str] = set()
+        for s in seqs:
+            if s.seq_id in ids_seen:
+                raise RecordError(f"{_where(s.seq_id)}: duplicate sequence id")
+            ids_seen.add(s.seq_id)
+            _validate_sequence(s, k)
+
+        def opt(name: str, dtype) -> np.ndarray | None:
+            present = [getattr(s, name) is not None for s in seqs]
+            if not any(present):
+                return None
+            if not all(present):
+                raise RecordError(f"{name} is given for some sequences but not all")
+            return np.concatenate([np.asarray(getattr(s, name), dtype=dtype) for s in seqs])
+
+        lengths = [len(s.token_ids) for s in seqs]
+        scored = np.concatenate([np.asarray(s.scored, dtype=bool) for s in seqs])
+        pos_seq = np.concatenate([np.full(int(np.sum(s.scored)), i, dtype=np.int64) for i, s in enumerate(seqs)])
+        pos_index = np.concatenate([np.flatnonzero(np.asarray(s.scored, dtype=bool)).astype(np.int64) for s in seqs])
+        lp = np.concatenate([np.asarray(s.topk_logprobs, dtype=np.float64) for s in seqs])
+        lp = np.where(lp <= CLAMP_LOGPROB, -np.inf, lp)
+        actual = np.concatenate([np.asarray(s.actual_logprob, dtype=np.float64) for s in seqs])
+        actual = np.where(actual <= CLAMP_LOGPROB, -np.inf, actual)
+        return cls(
+            provenance=provenance,
+            k=k,
+            seq_ids=[s.seq_id for s in seqs],
+            domains=[s.domain for s in seqs],
+            seq_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            token_ids=np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in seqs]),
+            scored=scored,
+            pos_seq=pos_seq,
+            pos_index=pos_index,
+            topk_ids=np.concatenate([np.asarray(s.topk_ids, dtype=np.int64).reshape(-1, k) for s in seqs]),
+            topk_logprobs=lp.reshape(-1, k),
+            actual_logprob=actual,
+            actual_rank=np.concatenate([np.asarray(s.actual_rank, dtype=np.int64) for s in seqs]),
+            logsumexp=opt("logsumexp", np.float64),
+            full_logprobs=opt("full_logprobs", np.float32),
+            ambiguous=opt("ambiguous", bool),
+        )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def n_sequences(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.pos_seq.shape[0])
+
+    def sequence_tokens(self, i: int) -> np.ndarray:
+        return self.token_ids[self.seq_offsets[i]:self.seq_offsets[i + 1]]
+
+    def actual_ids(self) -> np.ndarray:
+        """The actual token id at every scored position."""
+        return self.token_ids[self.seq_offsets[self.pos_seq] + self.pos_index]
+
+    def position_domains(self) -> np.ndarray:
+        return np.asarray(self.domains, dtype=object)[self.pos_seq]
+
+    def to_frame(self):
+        import pandas as pd
+
+        frame = pd.DataFrame({
+            "seq_id": np.asarray(self.seq_ids, dtype=object)[self.pos_seq],
+            "domain": self.position_domains(),
+            "position": self.pos_index,
+            "actual_id": self.actual_ids(),
+            "actual_logprob": self.actual_logprob,
+            "actual_rank": self.actual_rank,
+        })
+        frame["topk_ids"] = list(self.topk_ids)
+        frame["topk_logprobs"] = list(self.topk_logprobs)
+        if self.logsumexp is not None:
+            frame["logsumexp"] = self.logsumexp
+        if self.ambiguous is not None:
+            frame["ambiguous"] = self.ambiguous
+        return frame
+
+    # ------------------------------------------------------------------ checks
+    def check_compatible(self, other: "Record") -> None:
+        """Refuse a comparison whose two sides did not score the same tokens of the same panel."""
+        a, b = self.provenance, other.provenance
+        problems = []
+        if a.panel_name != b.panel_name or a.panel_version != b.panel_version:
+            problems.append(f"panel {a.panel_name}@{a.panel_version} vs {b.panel_name}@{b.panel_version}")
+        if a.panel_hash != b.panel_hash:
+            problems.append(f"panel hash {a.panel_hash[:16]} vs {b.panel_hash[:16]}")
+        if a.tokenizer_hash != b.tokenizer_hash:
+            problems.append(f"tokenizer hash {a.tokenizer_hash[:16]} vs {b.tokenizer_hash[:16]}")
+        if problems:
+            raise RecordMismatch("records are not comparable: " + "; ".join(problems))
+        if self.seq_ids != other.seq_ids:
+            missing = sorted(set(self.seq_ids) ^ set(other.seq_ids))[:5]
+            raise RecordMismatch(f"records hold different sequences (first differing ids: {missing})")
+        for i, sid in enumerate(self.seq_ids):
+            x, y = self.sequence_tokens(i), other.sequence_tokens(i)
+            if x.shape != y.shape:
+                raise RecordMismatch(f"{_where(sid)}: lengths differ ({x.size} vs {y.size} tokens)")
+            diff = np.flatnonzero(x != y)
+            if diff.size:
+                p = int(diff[0])
+                raise RecordMismatch(f"{_where(sid, p)}: token ids differ ({int(x[p])} vs {int(y[p])})")
+        if not np.array_equal(self.scored, other.scored):
+            p = int(np.flatnonzero(self.scored != other.scored)[0])
+            s = int(np.searchsorted(self.seq_offsets, p, side="right") - 1)
+            raise RecordMismatch(f"{_where(self.seq_ids[s], p - int(self.seq_offsets[s]))}: scored masks differ")
+
+    # ------------------------------------------------------------------ IO
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "seq_offsets": self.seq_offsets, "token_ids": self.token_ids, "scored": self.scored,
+            "pos_seq": self.pos_seq, "pos_index": self.pos_index, "topk_ids": self.topk_ids,
+            "topk_logprobs": self.topk_logprobs, "actual_logprob": self.actual_logprob,
+            "actual_rank": self.actual_rank,
+        }
+        for name in ("logsumexp", "full_logprobs", "ambiguous"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
+        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        meta = {
+            "format": FORMAT_VERSION,
+            "provenance": self.provenance.to_json(),
+            "seq_ids": json.dumps(self.seq_ids),
+            "domains": json.dumps(self.domains),
+            "k": str(self.k),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Record":
+        path = Path(path)
+        if not path.is_file():
+            raise RecordError(f"{path}: no such record file")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+            arrays = load_file(str(path))
+        except Exception as exc:  # safetensors raises several types for truncated/corrupt files
+            raise RecordError(f"{path}: not a readable record file ({exc})") from exc
+        fmt = meta.get("format")
+        if fmt != FORMAT_VERSION:
+            raise RecordMismatch(f"{path}: record format {fmt!r}, this harness reads {FORMAT_VERSION!r}")
+        required = ["seq_offsets", "token_ids", "scored", "pos_seq", "pos_index", "topk_ids",
+                    "topk_logprobs", "actual_logprob", "actual_rank"]
+        missing = [n for n in required if n not in arrays]
+        if missing:
+            raise RecordError(f"{path}: record lacks arrays {missing}")
+        rec = cls(
+            provenance=Provenance.from_json(meta["provenance"]),
+            k=int(meta["k"]),
+            seq_ids=json.loads(meta["seq_ids"]),
+            domains=json.loads(meta["domains"]),
+            logsumexp=arrays.get("logsumexp"),
+            full_logprobs=arrays.get("full_logprobs"),
+            ambiguous=arrays.get("ambiguous"),
+            **{n: arrays[n] for n in required},
+        )
+        rec._check_consistent(path)
+        return rec
+
+    def _check_consistent(self, where: Path | str = "record") -> None:
+        n_seq = len(self.seq_ids)
+        p = self.n_positions
+        if self.seq_offsets.shape != (n_seq + 1,) or int(self.seq_offsets[-1]) != self.token_ids.size:
+            raise RecordError(f"{where}: sequence table does not match the token array")
+        if self.scored.shape != self.token_ids.shape or int(self.scored.sum()) != p:
+            raise RecordError(f"{where}: scored mask does not match {p} scored positions")
+        for name in ("pos_index", "actual_logprob", "actual_rank"):
+            if getattr(self, name).shape != (p,):
+                raise RecordError(f"{where}: {name} has {getattr(self, name).shape[0]} rows, expected {p}")
+        if self.topk_ids.shape != (p, self.k) or self.topk_logprobs.shape != (p, self.k):
+            raise RecordError(f"{where}: top-k arrays are not [{p}, {self.k}]")
