@@ -11,6 +11,11 @@ app = typer.Typer(help="ds41-gates: gate LLM serving engine changes against an f
 
 
 
+@app.callback()
+def _root() -> None:
+    """ds41-gates: gate LLM serving engine changes against an fp32 oracle."""
+
+
 @app.command()
 def version() -> None:
     """Print the harness version."""
