@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1-Flash fp32 oracle."""
