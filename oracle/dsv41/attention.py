@@ -1,0 +1,227 @@
+"""Attention (§11): window KV, compressed KV path (§12.1), sparse attention with sink (§6.3), grouped output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compressor import Compressor, Indexer
+from .config import ModelConfig
+from .numerics import Numerics, qdq4e, qdq8
+from .rope import apply_rope, layer_frequencies, rope_cis
+
+
+def _need(w: dict, name: str) -> torch.Tensor:
+    try:
+        return w[name]
+    except KeyError:
+        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# State (§17.2)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerCache:
+    """One layer's per-sequence state, batch-major. The window keeps the full history (equivalent to
+    the reference's 128-slot ring, §17.2); the index order fed to sparse_attn reproduces the ring's."""
+
+    window_kv: torch.Tensor | None = None  # [b, T, head_dim] post-RoPE, post-QDQ8
+    compress_kv: torch.Tensor | None = None  # [b, G, head_dim] post-RoPE, post-QDQ4e (KV sources)
+    index_k: torch.Tensor | None = None  # [b, G, index_head_dim] post-RoPE, post-QDQ4p (key owners)
+    carry_kv: torch.Tensor | None = None  # [b, r, head_dim] fp32 pending group (ratio-2 sources)
+    carry_score: torch.Tensor | None = None
+    ring: torch.Tensor | None = None  # DSpark stages: [b, window, head_dim] ring of main_kv
+
+
+@dataclass
+class SharedRuntime:
+    """What attention layers hand down the stack (§3.1, §17.2). `index_k_owner` persists across calls:
+    it is the stale pointer of §18.1."""
+
+    caches: dict = field(default_factory=dict)  # layer_id -> LayerCache (shared with the model state)
+    compress_kv_owner: int | None = None
+    index_k_owner: int | None = None
+    topk_idxs: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse attention with sink (§6.3)
+# ----------------------------------------------------------------------------------------------
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                num: Numerics, block: int = 64) -> torch.Tensor:
+    """q [b, m, h, d], kv [b, n, d] (K = V), sink [h], idx [b, m, k] with -1 = no key -> [b, m, h, d].
+
+    fp32 mode: the exact softmax with the unscaled sink as an extra logit that has no value row.
+    reference-bf16 mode: the kernel's online softmax over blocks of 64 indices, running max from
+    -1e30, probabilities cast to bf16 before P.V, output cast to bf16."""
+    b, m, h, d = q.shape
+    valid = idx >= 0
+    g = torch.gather(kv.unsqueeze(1).expand(b, m, kv.shape[1], d), 2,
+                     idx.clamp_min(0).long().unsqueeze(-1).expand(b, m, idx.shape[-1], d))  # [b, m, k, d]
+    z = torch.einsum("bmhd,bmkd->bmhk", q, g) * scale
+    z = z.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    sink = sink.view(1, 1, h)
+    if not num.bf16:
+        mu = torch.maximum(z.amax(-1), sink) if z.shape[-1] else sink.expand(b, m, h)
+        p = torch.exp(z - mu.unsqueeze(-1))
+        den = p.sum(-1) + torch.exp(sink - mu)
+        return torch.einsum("bmhk,bmkd->bmhd", p, g) / den.unsqueeze(-1)
+    run = torch.full((b, m, h), -1e30)
+    den = torch.zeros(b, m, h)
+    acc = torch.zeros(b, m, h, d)
+    for s0 in range(0, z.shape[-1], block):
+        zb, gb = z[..., s0:s0 + block], g[:, :, s0:s0 + block]
+        new = torch.maximum(run, zb.amax(-1))
+        alpha = torch.exp(run - new)
+        p = torch.exp(zb - new.unsqueeze(-1))
+        den = den * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", num.r(p), gb)
+        run = new
+    den = den + torch.exp(sink - run)
+    return num.r(acc / den.unsqueeze(-1))
+
+
+def window_indices(start_pos: int, s: int, window: int) -> torch.Tensor:
+    """Window positions per query [s, n] in the reference's order (§11.1): prefill lists
+    max(0, t-W+1) + arange(min(s, W)) with future slots -1; decode lists the ring oldest-first, which in
+    positions is (-1 for empty slots) then the last min(p+1, W) positions ascending."""
+    if start_pos == 0:
+        end = torch.arange(s).unsqueeze(1)
+        idx = (end - window + 1).clamp(min=0) + torch.arange(min(s, window))
+        return torch.where(idx > end, -1, idx)
+    if s != 1:
+        raise ValueError(f"decode step at start_pos={start_pos} must have 1 token, got {s} (§17.1)")
+    p = start_pos
+    n_valid = min(p + 1, window)
+    return torch.cat([torch.full((window - n_valid,), -1), torch.arange(p + 1 - n_valid, p + 1)]).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, layer_id: int, index_k: str = "upstream"):
+        if index_k not in ("intended", "upstream"):
+            raise ValueError(f"index_k switch {index_k!r}: expected 'intended' or 'upstream' (§18.1)")
+        self.cfg, self.layer_id, self.index_k_mode = cfg, layer_id, index_k
+        self.ratio = cfg.ratio(layer_id)
+        self.freqs = layer_frequencies(cfg, layer_id)
+        self.compressor = Compressor(cfg, layer_id) if cfg.is_kv_source(layer_id) else None
+        self.indexer = Indexer(cfg, layer_id) if cfg.is_index_source(layer_id) else None
+
+    def load(self, w: dict, prefix: str) -> "Attention":
+        p = prefix + "attn."
+        for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            setattr(self, n, _need(w, p + n + ".weight"))
+        self.q_norm = _need(w, p + "q_norm.weight")
+        self.kv_norm = _need(w, p + "kv_norm.weight")
+        self.attn_sink = _need(w, p + "attn_sink")
+        if self.compressor:
+            self.compressor.load(w, p)
+        if self.indexer:
+            self.indexer.load(w, p)
+        return self
+
+    # -- shared pieces -------------------------------------------------------------------------
+    def _kv(self, x, cis, num):
+        """Window KV: QDQ8(rope(kv_norm(wkv(x)))) over the whole vector, RoPE tail included (§11.1)."""
+        kv = num.rmsnorm(num.qlinear(x, self.wkv), self.kv_norm, self.cfg.norm_eps)
+        return qdq8(num.r(apply_rope(kv, cis)), 32)
+
+    def _query(self, x, cis, num):
+        qr = num.rmsnorm(num.qlinear(x, self.wq_a), self.q_norm, self.cfg.norm_eps)
+        q = num.qlinear(qr, self.wq_b).unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim))
+        return qr, num.r(apply_rope(q, cis))
+
+    def _output(self, o, cis, num):
+        """Inverse RoPE, block-diagonal grouped wo_a (bf16 weight, no act QDQ), then wo_b (§11.3)."""
+        cfg = self.cfg
+        o = num.r(apply_rope(o, cis, inverse=True))
+        b, s = o.shape[:2]
+        og = o.reshape(b, s, cfg.o_groups, -1)
+        wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        z = num.r(torch.einsum("bsgd,grd->bsgr", og, wa))
+        return num.qlinear(z.flatten(2), self.wo_b)
+
+    # -- forward -------------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, start_pos: int, cache: LayerCache, shared: SharedRuntime,
+                 num: Numerics) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        end_pos = start_pos + s
+        pos = torch.arange(start_pos, end_pos)
+        cis = rope_cis(self.freqs, pos)
+        qr, q = self._query(x, cis, num)
+        kv = self._kv(x, cis, num)
+        if start_pos == 0:
+            cache.window_kv = kv
+        else:
+            if cache.window_kv is None or cache.window_kv.shape[1] != start_pos:
+                raise RuntimeError(f"layer {self.layer_id}: decode at {start_pos} without a prefill of "
+                                   f"{start_pos} tokens (§17.1)")
+            cache.window_kv = torch.cat([cache.window_kv, kv], dim=1)
+        kv_all = cache.window_kv
+        idx = window_indices(start_pos, s, cfg.window_size).expand(b, -1, -1)
+        if self.ratio:
+            ckv, cidx = self._compress(x, qr, start_pos, cache, shared, num, offset=end_pos)
+            kv_all = torch.cat([kv_all, ckv], dim=1)
+            idx = torch.cat([idx, cidx], dim=-1)
+        o = sparse_attn(q, kv_all, self.attn_sink, idx, cfg.head_dim**-0.5, num)
+        return self._output(o, cis, num)
+
+    def _compress(self, x, qr, start_pos, cache, shared, num, offset):
+        """§12.1. `offset` is where compressed rows start in kv_all (the window's row count)."""
+        cfg, r, L = self.cfg, self.ratio, self.layer_id
+        b, s, _ = x.shape
+        end_pos = start_pos + s
+        compress_len = end_pos // r
+        latent = None
+        if self.compressor is not None:
+            latent = self.compressor(x, start_pos, cache, num)
+            shared.compress_kv_owner = L
+        # group j stands at position j*r (its first token)
+        if latent is not None:
+            gpos = torch.arange(0, s - s % r, r) if start_pos == 0 else torch.tensor([start_pos + 1 - r])
+            gcis = rope_cis(self.freqs, gpos)
+        # the indexer consumes the pre-RoPE, pre-QDQ latent, so it runs before the cache write
+        if self.indexer is None:
+            if shared.topk_idxs is None:
+                raise RuntimeError(f"layer {L}: no top-k indices were published before it")
+            cidx = shared.topk_idxs
+        elif compress_len == 0:
+            cidx = torch.empty(b, s, 0, dtype=torch.int64)
+            shared.topk_idxs = cidx
+        else:
+            if self.indexer.owns_k and latent is not None:
+                self.indexer.publish_keys(latent, gcis, start_pos, cache, num)
+                shared.index_k_owner = L
+            index_k = self._index_keys(shared, L)
+            cidx = self.indexer(x, qr, rope_cis(self.freqs, torch.arange(start_pos, end_pos)), index_k,
+                                start_pos, offset, shared, num)
+            shared.topk_idxs = cidx
+        if latent is not None:
+            latent = qdq4e(num.r(apply_rope(latent, gcis)), 16)
+            cache.compress_kv = latent if cache.compress_kv is None or start_pos == 0 else \
+                torch.cat([cache.compress_kv, latent], dim=1)
+        owner = shared.caches[cfg.kv_source_for(L)]
+        ckv = owner.compress_kv if owner.compress_kv is not None else x.new_zeros(b, 0, cfg.head_dim)
+        if ckv.shape[1] < compress_len:
+            raise RuntimeError(f"layer {L}: compressed cache has {ckv.shape[1]} rows, needs {compress_len}")
+        return ckv[:, :compress_len], cidx
+
+    def _index_keys(self, shared: SharedRuntime, L: int) -> torch.Tensor:
+        """§18.1: 'intended' reads the latest key owner of this layer's ratio; 'upstream' follows the
+        pointer last re-published by any key owner, possibly in the previous call (stale)."""
+        owner = self.cfg.key_owner_for(L) if self.index_k_mode == "intended" else shared.index_k_owner
+        if owner is None or shared.caches[owner].index_k is None:
+            raise RuntimeError(f"layer {L}: no index keys published yet (index_k={self.index_k_mode})")
+        return shared.caches[owner].index_k

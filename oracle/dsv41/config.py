@@ -1,0 +1,264 @@
+"""ModelConfig for DeepSeek-V4.1-Flash (§2), read from either key spelling, plus the §20 tiny config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # sizes
+    vocab_size: int = 129280
+    dim: int = 5120
+    moe_inter_dim: int = 2304
+    n_layers: int = 40
+    n_mtp_layers: int = 3
+    # attention
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    norm_eps: float = 1e-20
+    # MoE
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    # compression / indexer
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layers: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    candidate_source_layer: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # RoPE
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # hyper-connections
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Engram
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_vocab_size: int = 16000000
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    # DSpark
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
+    # storage / runtime
+    dtype: str = "fp8"
+    expert_dtype: str | None = "fp4"
+    max_seq_len: int = 4096
+    max_batch_size: int = 4
+    temperature: float = 1.0
+    # vision (the oracle is text-only; recorded for completeness)
+    vision_n_layers: int = 32
+    image_token_id: int = 129264
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        n_all = self.n_layers + self.n_mtp_layers
+        if len(self.compress_ratios) != n_all:
+            raise ValueError(
+                f"config: compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + "
+                f"n_mtp_layers = {n_all}")
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"config: n_heads {self.n_heads} not divisible by o_groups {self.o_groups}")
+        if self.rope_head_dim % 2 or self.rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ValueError(f"config: rope_head_dim {self.rope_head_dim} must be even and <= head dims")
+        if self.n_shared_experts != 1:
+            raise ValueError(f"config: n_shared_experts must be 1 (got {self.n_shared_experts})")
+        if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
+            raise ValueError("config: engram_layer_ids and engram_num_embeddings differ in length")
+        for L in range(self.n_layers):
+            r = self.compress_ratios[L]
+            if r > 0 and self.kv_source_for(L) is None:
+                raise ValueError(f"config: layer {L} (ratio {r}) has no preceding KV source of ratio {r}")
+            if r > 0 and self.index_source_for(L) is None:
+                raise ValueError(f"config: layer {L} (ratio {r}) has no preceding index source")
+        if self.candidate_source_layer >= 0 and self.candidate_source_layer not in self.index_source_layers:
+            raise ValueError(f"config: candidate source {self.candidate_source_layer} is not an index source")
+
+    # ---- derived (§2.3, §3) -----------------------------------------------------------------
+    @property
+    def hc_dim(self) -> int:
+        return self.hc_mult * self.dim
+
+    @property
+    def mix_hc(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def ratio(self, layer_id: int) -> int:
+        return self.compress_ratios[layer_id]
+
+    def is_kv_source(self, L: int) -> bool:
+        return L < self.n_layers and L in self.kv_source_layers
+
+    def is_index_source(self, L: int) -> bool:
+        return L < self.n_layers and L in self.index_source_layers
+
+    def owns_index_keys(self, L: int) -> bool:
+        return self.is_index_source(L) and self.is_kv_source(L)
+
+    def is_candidate_source(self, L: int) -> bool:
+        return L < self.n_layers and L == self.candidate_source_layer
+
+    def uses_candidates(self, L: int) -> bool:
+        return self.is_index_source(L) and 0 <= self.candidate_source_layer < L
+
+    def kv_source_for(self, L: int) -> int | None:
+        """The KV source whose compressed cache layer L reads: the latest source at or before L (§3.1).
+        The schedule requires it to have L's ratio."""
+        srcs = [s for s in self.kv_source_layers if s <= L]
+        if not srcs or self.compress_ratios[srcs[-1]] != self.compress_ratios[L]:
+            return None
+        return srcs[-1]
+
+    def index_source_for(self, L: int) -> int | None:
+        srcs = [s for s in self.index_source_layers if s <= L]
+        return srcs[-1] if srcs else None
+
+    def key_owner_for(self, L: int) -> int | None:
+        """§18.1 'intended': the most recent key owner of L's own ratio."""
+        owners = [s for s in self.kv_source_layers
+                  if s <= L and s in self.index_source_layers and self.compress_ratios[s] == self.compress_ratios[L]]
+        return owners[-1] if owners else None
+
+    def moe_experts(self, layer_id: int) -> tuple[int, int]:
+        """get_moe_config (§2.1): (n_routed, n_activated)."""
+        if layer_id < self.n_layers:
+            return self.n_routed_experts, self.n_activated_experts
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    # ---- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Accept the inference `config.json` (§2.1) or the HF `config.json` (§2.2, keys possibly under
+        `text_config`). Unknown keys are kept in `extra`; a key given in both spellings with different
+        values is an error."""
+        d = dict(d)
+        if "text_config" in d and isinstance(d["text_config"], dict):
+            top = {k: v for k, v in d.items() if k != "text_config"}
+            d = {**top, **d["text_config"]}
+        out: dict[str, Any] = {}
+
+        def put(key, value, src):
+            if key in out and out[key] != value:
+                raise ValueError(f"config: {src} gives {key}={value!r} but another key gave {out[key]!r}")
+            out[key] = value
+
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = {}
+        for k, v in d.items():
+            if k in _HF_KEYS:
+                put(_HF_KEYS[k], v, k)
+            elif k == "rope_scaling" and isinstance(v, dict):
+                if v.get("rope_type", v.get("type")) not in ("yarn", None):
+                    raise ValueError(f"config: rope_scaling type {v.get('rope_type')!r} is not yarn")
+                for hk, ik in (("factor", "rope_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
+                               ("original_max_position_embeddings", "original_seq_len")):
+                    if hk in v:
+                        put(ik, v[hk], f"rope_scaling.{hk}")
+            elif k == "quantization_config" and isinstance(v, dict):
+                if "expert_dtype" in v:
+                    put("expert_dtype", v["expert_dtype"], "quantization_config.expert_dtype")
+                extra[k] = v
+            elif k in names:
+                put(k, v, k)
+            else:
+                extra[k] = v
+        if out.get("dtype") in ("bfloat16",):  # the HF top-level dtype is the storage default, not the scheme
+            extra["hf_dtype"] = out.pop("dtype")
+        for k, v in list(out.items()):
+            if isinstance(v, list):
+                out[k] = tuple(v)
+        return cls(**out, extra=extra)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"config: cannot read {path}: {e}") from e
+        return cls.from_dict(d)
+
+    @classmethod
+    def release(cls) -> "ModelConfig":
+        return cls()
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """§20.1 values."""
+        v = dict(
+            vocab_size=512, dim=256, moe_inter_dim=128, n_layers=8, n_mtp_layers=3,
+            n_heads=8, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+            window_size=64, norm_eps=1e-20,
+            n_routed_experts=8, n_shared_experts=1, n_activated_experts=3, score_func="sqrtsoftplus",
+            route_scale=1.5, swiglu_limit=10.0, gate_temp=1.0, norm_topk_prob=True,
+            compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0), kv_source_layers=(2, 4),
+            index_source_layers=(2, 4, 6), candidate_source_layer=4, candidate_topk_blocks=6,
+            candidate_block_size=4, index_n_heads=4, index_head_dim=32, index_topk=16,
+            rope_theta=10000.0, compress_rope_theta=160000.0, original_seq_len=1024, rope_factor=4.0,
+            beta_fast=32, beta_slow=1, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+            engram_layer_ids=(1, 2), engram_num_embeddings=(660, 864), engram_vocab_size=100,
+            engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=64, engram_pad_id=2,
+            engram_compressed_vocab_size=256,
+            dspark_block_size=3, dspark_noise_token_id=511, dspark_target_layer_ids=(5, 6, 7),
+            dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_n_activated_experts=2,
+            dtype="fp8", expert_dtype="fp4", vision_n_layers=0, max_seq_len=256, max_batch_size=2,
+        )
+        v.update(overrides)
+        return cls(**v)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# HF text_config key -> inference key (§2.2)
+_HF_KEYS = {
+    "hidden_size": "dim",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "qk_rope_head_dim": "rope_head_dim",
+    "rms_norm_eps": "norm_eps",
+    "num_experts_per_tok": "n_activated_experts",
+    "routed_scaling_factor": "route_scale",
+    "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "engram_pad_token_id": "engram_pad_id",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "n_routed_experts": "n_routed_experts",
+}

@@ -1,0 +1,41 @@
+"""Manifold-constrained hyper-connections (§9) and the Sinkhorn split (§6.4). All fp32 (§5.3)."""
+
+from __future__ import annotations
+
+import torch
+
+from .numerics import Numerics
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc(j), hc(k)] (§6.4)."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    c = torch.softmax(c, dim=-1) + eps  # softmax over k (the output copy)
+    c = c / (c.sum(-2, keepdim=True) + eps)  # column normalisation
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)  # the last step is a column normalisation
+    return pre, post, c
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+             hc_eps: float, norm_eps: float):
+    """One RMS statistic per token over all copies, no weight; product first, then scaled (§9)."""
+    xf = x.flatten(-2)
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = (xf @ fn.T) * rstd
+    return hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
+    """[b, s, hc, d] x [b, s, hc] -> [b, s, d]; bf16-rounded in reference mode (§5.3)."""
+    return num.r(torch.sum(pre.unsqueeze(-1) * x, dim=-2))
+
+
+def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics):
+    """new[k] = post[k] * f + sum_j comb[j, k] * res[j] (§9); the stream is bf16 in reference mode."""
+    y = post.unsqueeze(-1) * f.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * res.unsqueeze(-2), dim=-3)
+    return num.r(y)

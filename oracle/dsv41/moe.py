@@ -1,0 +1,88 @@
+"""MoE (§13): sqrt-softplus router with selection-only bias, clamped SwiGLU experts, one shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .numerics import Numerics, topk_lowest_index
+
+
+def _need(w: dict, name: str) -> torch.Tensor:
+    try:
+        return w[name]
+    except KeyError:
+        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg: ModelConfig, num: Numerics,
+          site: str = "router"):
+    """x [n, d] -> (weights [n, k], indices [n, k]); fp32, no act QDQ, no bf16 rounding (§13.1)."""
+    s = (x @ weight.T) / cfg.gate_temp
+    if cfg.score_func == "sqrtsoftplus":
+        s = F.softplus(s).sqrt()
+    elif cfg.score_func == "sigmoid":
+        s = s.sigmoid()
+    elif cfg.score_func == "softmax":
+        s = s.softmax(dim=-1)
+    else:
+        raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
+    # the bias picks experts but does not weight them
+    _, idx = topk_lowest_index(s + bias, k, num.ties, site)
+    wts = s.gather(1, idx)
+    if cfg.norm_topk_prob and k > 1:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)  # literally 1e-20, not norm_eps
+    return wts * cfg.route_scale, idx
+
+
+def expert(x: torch.Tensor, w1, w2, w3, limit: float, num: Numerics, wts: torch.Tensor | None = None):
+    """Clamped SwiGLU (§13.2): up clamped both sides, gate from above; routing weight before w2."""
+    g, u = num.qlinear(x, w1), num.qlinear(x, w3)
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = F.silu(g) * u
+    if wts is not None:
+        h = wts * h
+    return num.qlinear(num.r(h), w2)
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        self.cfg, self.layer_id = cfg, layer_id
+        self.n_experts, self.k = cfg.moe_experts(layer_id)
+
+    def load(self, w: dict, prefix: str) -> "MoE":
+        p = prefix + "ffn."
+        self.gate = _need(w, p + "gate.weight")
+        self.bias = _need(w, p + "gate.bias")
+        self.bias_vl = w.get(p + "gate.bias_vl")
+        if self.gate.shape[0] != self.n_experts:
+            raise ValueError(f"{p}gate.weight has {self.gate.shape[0]} rows, config says {self.n_experts} experts")
+        # experts: a dict name -> tensor, or a lazy mapping that dequantizes on access (§19 memory plan)
+        self.w = w
+        self.prefix = p
+        self.shared = tuple(_need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
+        return self
+
+    def expert_weights(self, e: int):
+        return tuple(_need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
+
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        bias = self.bias
+        if image_mask is not None:
+            if self.bias_vl is None:
+                raise KeyError(f"missing checkpoint tensor {self.prefix}gate.bias_vl (needed for image tokens)")
+            bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
+        wts, idx = route(x, self.gate, bias, self.k, self.cfg, num, f"router.{self.layer_id}")
+        y = torch.zeros_like(x)
+        lim = self.cfg.swiglu_limit
+        for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
+            rows, slot = torch.where(idx == e)
+            w1, w2, w3 = self.expert_weights(e)
+            y[rows] += expert(x[rows], w1, w2, w3, lim, num, wts[rows, slot, None])
+        y = y + expert(x, *self.shared, lim, num)
+        return num.r(y).reshape(shape)

@@ -1,0 +1,109 @@
+"""DSpark draft stages `mtp.*` (§15): window-only attention seeded from the backbone taps, a bidirectional
+block of draft queries, the Markov bias and the confidence head. Greedy drafts (the oracle never samples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import Attention, LayerCache, sparse_attn
+from .config import ModelConfig
+from .hyper import hc_pre
+from .numerics import qdq8
+from .rope import apply_rope, rope_cis
+
+
+def _need(w: dict, name: str) -> torch.Tensor:
+    try:
+        return w[name]
+    except KeyError:
+        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+
+
+class DSparkAttention(Attention):
+    def __call__(self, x, start_pos, cache: LayerCache, shared, num, main_x=None):
+        cfg, W = self.cfg, self.cfg.window_size
+        b, s_main, _ = main_x.shape
+        main_kv = self._kv(main_x, rope_cis(self.freqs, torch.arange(start_pos, start_pos + s_main)), num)
+        if start_pos == 0:  # prefill only seeds the ring with the prompt positions
+            cache.ring = main_kv.new_zeros(b, W, cfg.head_dim)
+            keep = torch.arange(max(0, s_main - W), s_main)
+            cache.ring[:, keep % W] = main_kv[:, keep]
+            return x
+        if cache.ring is None:
+            raise RuntimeError(f"DSpark stage {self.layer_id}: decode before the prefill seeded its ring")
+        B = x.shape[1]
+        cis = rope_cis(self.freqs, torch.arange(start_pos + s_main, start_pos + s_main + B))
+        _, q = self._query(x, cis, num)
+        kv_blk = self._kv(x, cis, num)  # block keys are not cached
+        cache.ring[:, start_pos % W] = main_kv[:, 0]
+        kv_all = torch.cat([cache.ring, kv_blk], dim=1)
+        # the filled ring plus ALL block rows: bidirectional inside the block (§15)
+        idx = torch.cat([torch.arange(min(W, start_pos + 1)), W + torch.arange(B)])
+        o = sparse_attn(q, kv_all, self.attn_sink, idx.view(1, 1, -1).expand(b, B, -1), cfg.head_dim**-0.5, num)
+        return self._output(o, cis, num)
+
+
+@dataclass
+class DraftOutput:
+    ids: torch.Tensor  # [b, B + 1]: the given token then B greedy drafts
+    logits: torch.Tensor  # [b, B, V] fp32, Markov bias included
+    confidence: torch.Tensor  # [b, B]
+
+
+class DSpark:
+    def __init__(self, cfg: ModelConfig, w: dict, embed, head):
+        from .model import Block
+
+        class Stage(Block):
+            attention_cls = DSparkAttention
+
+            def run_attn(self, x, ctx):
+                return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num,
+                                 main_x=ctx.main_x)
+
+        self.cfg, self.embed, self.head = cfg, embed, head
+        self.stages = [Stage(cfg, cfg.n_layers + i).load(w) for i in range(cfg.n_mtp_layers)]
+        self.main_proj = _need(w, "mtp.0.main_proj.weight")
+        self.main_norm = _need(w, "mtp.0.main_norm.weight")
+        last = f"mtp.{cfg.n_mtp_layers - 1}."
+        self.norm = _need(w, last + "norm.weight")
+        self.markov_embed = _need(w, last + "markov_head.embed.weight")
+        self.markov_head = _need(w, last + "markov_head.head.weight")
+        self.confidence = _need(w, last + "confidence_head.proj.weight")
+
+    @torch.inference_mode()
+    def forward_spec(self, tok: torch.Tensor, main_hidden: torch.Tensor, start_pos: int, state) -> DraftOutput | None:
+        """tok [b]: the token just produced; main_hidden: the taps of the backbone call at start_pos."""
+        from .model import StepContext
+
+        cfg, num = self.cfg, state.num
+        main_x = num.rmsnorm(num.qlinear(main_hidden, self.main_proj), self.main_norm, cfg.norm_eps)
+        b, B = tok.shape[0], cfg.dspark_block_size
+        ids = torch.full((b, B), cfg.dspark_noise_token_id, dtype=torch.int64)
+        ids[:, 0] = tok
+        x = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
+        pre = torch.zeros(b, B, cfg.hc_mult)
+        pre[..., 0] = 1.0
+        ctx = StepContext(start_pos, state, None, main_x)
+        for stage in self.stages:
+            if start_pos == 0:
+                stage.run_attn(x, ctx)  # seeds the ring; x and pre pass through unchanged
+            else:
+                x, pre = stage(x, pre, ctx)
+        if start_pos == 0:
+            return None
+        # forward_head (§15): the last stage's norm, the backbone head, then the Markov bias
+        xc = hc_pre(x, pre, num)
+        logits = num.rmsnorm(xc, self.norm, cfg.norm_eps) @ self.head.weight.T
+        out = torch.empty(b, B + 1, dtype=torch.int64)
+        out[:, 0] = tok
+        embeds = []
+        for i in range(B):
+            e = self.markov_embed[out[:, i]]
+            logits[:, i] += e @ self.markov_head.T
+            embeds.append(e)
+            out[:, i + 1] = logits[:, i].argmax(-1)
+        conf = (torch.cat([xc, torch.stack(embeds, 1)], -1) @ self.confidence.T).squeeze(-1)  # x is NOT normed
+        return DraftOutput(out, logits, conf)

@@ -1,0 +1,117 @@
+"""Precision modes (§5) and the numerical primitives the forward pass shares (§6, §18.3).
+
+The oracle keeps every tensor in fp32. The `reference-bf16` mode reproduces the reference's bf16
+roundings by rounding an fp32 value to bf16 (round-to-nearest-even) and back, at exactly the points
+§5.3 lists; `fp32` mode makes the same calls a no-op. The activation quantize-dequantize steps (QDQ)
+belong to the model's forward and are applied in both modes (§5.2).
+
+The QDQ primitives themselves are oracle/dsv41/quant.py (weight-formats.md §8); this module only
+names them as the architecture document does (QDQ8, QDQ4p, QDQ4e).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .quant import act_quant_dequant, fp4_act_quant_dequant
+
+PRECISION_MODES = ("fp32", "reference-bf16")
+
+
+
+# Activation quantize-dequantize (weight-formats.md §8) lives in quant.py (the loader work owns it).
+def qdq8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """QDQ8 = act_quant with ue8m0 scales, quantize then dequantize (§6.1)."""
+    return act_quant_dequant(x, block, "ue8m0")
+
+
+def qdq4p(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """QDQ4p = fp4_act_quant with power-of-two scales (§6.1); indexer q and k."""
+    return fp4_act_quant_dequant(x, block, "ue8m0")
+
+
+def qdq4e(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """QDQ4e = fp4_act_quant with E4M3 scales (§6.1); the compressed latent."""
+    return fp4_act_quant_dequant(x, block, "e4m3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic top-k (§18.3) with tie accounting
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TieStats:
+    """Counts, per selection site, the rows whose k-th and (k+1)-th best finite scores are equal,
+    i.e. where the tie rule (not the scores) decided the selection."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+
+    def add(self, site: str, ties: int, rows: int) -> None:
+        self.counts[site] = self.counts.get(site, 0) + ties
+        self.rows[site] = self.rows.get(site, 0) + rows
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int, stats: TieStats | None = None, site: str = "topk"):
+    """Top-k along the last dim: higher score first, then lower index (§18.3). Returns (values, indices)
+    in that rank order. A stable descending sort keeps equal scores in index order."""
+    n = scores.shape[-1]
+    if not 0 <= k <= n:
+        raise ValueError(f"topk at {site}: k={k} outside 0..{n}")
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    if stats is not None and 0 < k < n:
+        kth, nxt = vals[..., k - 1], vals[..., k]
+        tie = (kth == nxt) & torch.isfinite(kth)
+        stats.add(site, int(tie.sum()), int(tie.numel()))
+    return vals[..., :k], idx[..., :k]
+
+
+# ----------------------------------------------------------------------------------------------
+# Precision mode
+# ----------------------------------------------------------------------------------------------
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+@dataclass
+class Numerics:
+    """The precision mode (§5.2 / §5.3) plus the per-run tie statistics.
+
+    `r(x)` marks a point where the reference rounds to bf16; it is the identity in `fp32` mode."""
+
+    mode: str = "fp32"
+    ties: TieStats = field(default_factory=TieStats)
+
+    def __post_init__(self):
+        if self.mode not in PRECISION_MODES:
+            raise ValueError(f"precision mode {self.mode!r}: expected one of {PRECISION_MODES}")
+
+    @property
+    def bf16(self) -> bool:
+        return self.mode == "reference-bf16"
+
+    def r(self, x: torch.Tensor) -> torch.Tensor:
+        return _bf16(x) if self.bf16 else x
+
+    def qlinear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A linear whose reference weight is FP8/FP4: QDQ8 on the input, then the GEMM output is
+        rounded to bf16 in reference mode (§5.1, §6.2)."""
+        return self.r(qdq8(x, 32) @ w.T)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A plain bf16-weight linear (no activation QDQ); bf16 output in reference mode."""
+        return self.r(x @ w.T)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """§5.1 RMSNorm; eps = 1e-20 in the LLM."""
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        return self.r(weight * y)
