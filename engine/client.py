@@ -1,0 +1,547 @@
+"""Engine client: strict, retrying HTTP on top of the ``openai`` package, and panel scoring.
+
+Layers:
+
+* :class:`EngineClient` — the transport. OpenAI routes (``/v1/completions``, ``/v1/chat/completions``)
+  go through ``openai.OpenAI(...).completions.with_raw_response`` so the harness sees the raw bytes; other
+  routes (``/tokenize``, ``/metrics``, SGLang ``/generate``, llama-server ``/completion``) go through the
+  same client's generic ``post``/``get``. Every body is decoded by :func:`engine.adapters.base.strict_json`
+  (truncated JSON, NaN literals and duplicate keys are named errors). 5xx, timeouts and connection errors
+  are retried with bounded exponential backoff (:class:`RetryPolicy`); 4xx raises
+  :class:`EngineRequestRejected` at once; anything malformed raises :class:`EngineResponseError`.
+* high-level calls — ``prompt_logprobs``, ``generate``, ``stream``, ``tokenize``/``detokenize``,
+  ``metrics``, ``models`` — delegating engine-specific shapes to an adapter (``engine/adapters``).
+* :func:`score_panel` — an ``EncodedPanel`` → a ``Record`` (side ``engine``): one request per sequence,
+  bounded concurrency (thread pool), fresh ``cache_salt`` per request on vLLM, a rich progress bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+
+import httpx
+import numpy as np
+import openai
+
+from ds41gates.records import Provenance, Record, SequenceScores
+from engine.adapters.base import (
+    Adapter, Generation, HttpTiming, JsonReply, PositionLogprobs, SequenceLogprobs, StreamedGeneration,
+    check_id_range, need, strict_json,
+)
+from engine.errors import (
+    EngineRequestRejected, EngineResponseError, EngineTransportError, Malformed, UnsupportedSurface,
+)
+
+T = TypeVar("T")
+
+
+
+def _create_fields(create: Callable) -> frozenset[str]:
+    """The body fields a resource's ``create`` takes as keywords; the rest travel in ``extra_body``."""
+    import inspect
+
+    skip = {"extra_headers", "extra_query", "extra_body", "timeout"}
+    return frozenset(p for p in inspect.signature(create).parameters if p not in skip)
+
+
+def _split_body(fields: frozenset[str], body: Mapping[str, Any]) -> tuple[dict, dict | None]:
+    known = {k: v for k, v in body.items() if k in fields}
+    extra = {k: v for k, v in body.items() if k not in fields}
+    return known, (extra or None)
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff: delays base, 2·base, 4·base … capped at max_delay_s."""
+
+    max_attempts: int = 4
+    base_delay_s: float = 0.25
+    max_delay_s: float = 4.0
+    retry_statuses: frozenset[int] = frozenset({500, 502, 503, 504})
+
+    def delay(self, attempt: int) -> float:
+        """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
+        return min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str                  # server root, e.g. http://127.0.0.1:8002 (no /v1)
+    model: str                     # the served model name; every response must name it
+    api_key: str = "unused"
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_concurrency: int = 2
+    vocab_size: int | None = None  # when given, every id is range-checked
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    """What the caller knows about the engine; becomes the record's provenance ``source`` and precision."""
+
+    url: str
+    model: str
+    profile: str
+    flags: Mapping[str, Any] | Sequence[str] = ()
+    precision: str = "unknown"     # the engine's dtype as the caller configured it (e.g. fp32, bf16, q4_1)
+
+    def as_source(self) -> dict[str, Any]:
+        flags = dict(self.flags) if isinstance(self.flags, Mapping) else list(self.flags)
+        return {"url": self.url, "model": self.model, "profile": self.profile, "flags": flags}
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Parsed Prometheus text: ``families[name]`` → list of (sample name, labels, value)."""
+
+    families: dict[str, list[tuple[str, dict[str, str], float]]]
+    raw: str
+
+    def value(self, sample: str, **labels: str) -> float:
+        """Sum of the samples named ``sample`` whose labels include ``labels``; KeyError if none."""
+        found = [v for fam in self.families.values() for (n, lab, v) in fam
+                 if n == sample and all(lab.get(k) == x for k, x in labels.items())]
+        if not found:
+            raise KeyError(f"no metric sample {sample!r} with labels {labels} in /metrics")
+        return float(sum(found))
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    t_s: float          # seconds after the request was sent
+    data: Any           # decoded JSON of the event
+
+
+# ---------------------------------------------------------------------------------------------- client
+class EngineClient:
+    """Strict transport plus high-level calls. Thread-safe (one openai client, one connection pool)."""
+
+    def __init__(self, config: ClientConfig, adapter: Adapter | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.config = config
+        self.model = config.model
+        root = config.base_url.rstrip("/")
+        if root.endswith("/v1"):
+            root = root[:-3]
+        self.root = root
+        self._sleep = sleep
+        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self._openai = openai.OpenAI(base_url=root + "/v1", api_key=config.api_key, max_retries=0, timeout=timeout)
+        if adapter is None:
+            from engine.adapters.vllm import VllmAdapter
+            adapter = VllmAdapter(vocab_size=config.vocab_size)
+        self.adapter = adapter
+        self._completion_fields = _create_fields(self._openai.completions.create)
+        self._chat_fields = _create_fields(self._openai.chat.completions.create)
+        self._lock = threading.Lock()
+        self.attempts = 0   # total HTTP attempts made (observability; tests)
+
+    def close(self) -> None:
+        self._openai.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+    def _url(self, path: str) -> str:
+        return self.root + "/" + path.lstrip("/")
+
+    def _with_retries(self, url: str, seq_id: str | None, call: Callable[[], T]) -> T:
+        policy = self.config.retry
+        attempt = 0
+        while True:
+            attempt += 1
+            with self._lock:
+                self.attempts += 1
+            try:
+                return call()
+            except openai.APIStatusError as exc:
+                status = exc.status_code
+                if status not in policy.retry_statuses:
+                    raise EngineRequestRejected(status, url, _error_message(exc), seq_id) from None
+                what, detail = "server error", _error_message(exc)
+            except openai.APITimeoutError as exc:
+                status, what, detail = None, "timeout", str(exc) or "request timed out"
+            except openai.APIConnectionError as exc:
+                cause = exc.__cause__ or exc
+                status, what, detail = None, "connection error", f"{type(cause).__name__}: {cause}"
+            if attempt >= policy.max_attempts:
+                raise EngineTransportError(what, url, attempt, detail, status, seq_id)
+            self._sleep(policy.delay(attempt))
+
+    def post_json(self, path: str, body: Mapping[str, Any], *, seq_id: str | None = None) -> JsonReply:
+        """POST a JSON body and decode the answer strictly. ``/v1/*completions`` go through openai's resources."""
+        url = self._url(path)
+        if path.rstrip("/") == "/v1/completions":
+            known, extra = _split_body(self._completion_fields, body)
+            call = lambda: self._openai.completions.with_raw_response.create(**known, extra_body=extra)
+        elif path.rstrip("/") == "/v1/chat/completions":
+            known, extra = _split_body(self._chat_fields, body)
+            call = lambda: self._openai.chat.completions.with_raw_response.create(**known, extra_body=extra)
+        else:
+            call = lambda: self._openai.post(url, cast_to=httpx.Response, body=dict(body))
+        resp = self._with_retries(url, seq_id, call)
+        raw = resp.content
+        elapsed = resp.elapsed.total_seconds()
+        try:
+            data = strict_json(raw, url)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, url) from None
+        return JsonReply(data, elapsed, url)
+
+    def get_text(self, path: str) -> tuple[str, float]:
+        url = self._url(path)
+        resp = self._with_retries(url, None, lambda: self._openai.get(url, cast_to=httpx.Response))
+        return resp.text, resp.elapsed.total_seconds()
+
+    def get_json(self, path: str) -> JsonReply:
+        url = self._url(path)
+        resp = self._with_retries(url, None, lambda: self._openai.get(url, cast_to=httpx.Response))
+        return JsonReply(strict_json(resp.content, url), resp.elapsed.total_seconds(), url)
+
+    def stream_events(self, path: str, body: Mapping[str, Any], *, seq_id: str | None = None) -> Iterator[SseEvent]:
+        """POST with ``stream: true`` and yield decoded SSE events with arrival times; stops at ``[DONE]``.
+
+        Retries apply only to opening the stream; once bytes have arrived a failure is an error.
+        """
+        url = self._url(path)
+        known, extra = _split_body(self._completion_fields, body)
+        if path.rstrip("/") != "/v1/completions":
+            raise UnsupportedSurface(f"streaming is implemented for /v1/completions only, not {path}")
+        t0 = time.perf_counter()
+        cm = self._with_retries(url, seq_id, lambda: _open_stream(self._openai, known, extra))
+        done = False
+        try:
+            for line in cm.iter_lines():
+                t = time.perf_counter() - t0
+                if not line:
+                    continue
+                if line.startswith(":"):
+                    continue  # SSE comment / keep-alive
+                if not line.startswith("data:"):
+                    raise EngineResponseError(Malformed.STREAM_MALFORMED, f"SSE line is not a data line: {line[:80]!r}",
+                                              seq_id, url=url)
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    data = strict_json(payload, url)
+                except EngineResponseError as exc:
+                    raise EngineResponseError(Malformed.STREAM_MALFORMED, f"chunk: {exc.detail}", seq_id, url=url) from None
+                if isinstance(data, dict) and "error" in data and "choices" not in data:
+                    raise EngineResponseError(Malformed.STREAM_MALFORMED, f"engine sent an error event: {data['error']!r}",
+                                              seq_id, url=url)
+                yield SseEvent(t, data)
+        except httpx.HTTPError as exc:
+            raise EngineTransportError("stream broken", url, 1, f"{type(exc).__name__}: {exc}", None, seq_id) from None
+        finally:
+            cm.close()
+        if not done:
+            raise EngineResponseError(Malformed.STREAM_MALFORMED, "stream ended without 'data: [DONE]'", seq_id, url=url)
+
+    # ------------------------------------------------------------------ high level
+    def prompt_logprobs(self, token_ids: Sequence[int], k: int, *, seq_id: str = "adhoc",
+                        cache_salt: str | None = None) -> SequenceLogprobs:
+        self._check_ids(token_ids, seq_id)
+        return self.adapter.prompt_logprobs(self, seq_id, token_ids, k, cache_salt=cache_salt)
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc") -> Generation:
+        self._check_ids(prompt_ids, seq_id)
+        return self.adapter.generate(self, seq_id, prompt_ids, max_tokens, k)
+
+    def stream(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc",
+               cache_salt: str | None = None) -> StreamedGeneration:
+        """Greedy streamed generation (vLLM shape) with per-chunk arrival times (TTFT, inter-token)."""
+        from engine.adapters import vllm as v
+
+        if getattr(self.adapter, "name", None) != "vllm":
+            raise UnsupportedSurface(f"streaming is implemented for the vLLM adapter, not {self.adapter.name!r}")
+        self._check_ids(prompt_ids, seq_id)
+        salt = cache_salt if cache_salt is not None else v.fresh_salt()
+        body = v.generate_request(self.model, prompt_ids, max_tokens, k, salt, stream=True)
+        ids: list[int] = []
+        rows: list[PositionLogprobs] = []
+        text: list[str] = []
+        times: list[float] = []
+        counts: list[int] = []
+        finish = None
+        usage = None
+        for ev in self.stream_events(v.COMPLETIONS, body, seq_id=seq_id):
+            got, r, t, fin, u = v.parse_stream_chunk(ev.data, self.model, seq_id, len(prompt_ids) + len(ids), k,
+                                                     self.config.vocab_size)
+            ids += got
+            rows += r
+            text.append(t)
+            times.append(ev.t_s)
+            counts.append(len(got))
+            finish = fin or finish
+            usage = u if u is not None else usage
+        from engine.adapters.base import usage_cached_tokens
+        prompt_tokens, cached = usage_cached_tokens(usage, seq_id)
+        if prompt_tokens is not None and prompt_tokens != len(prompt_ids):
+            raise EngineResponseError(Malformed.USAGE_MALFORMED,
+                                      f"usage.prompt_tokens {prompt_tokens} != {len(prompt_ids)} ids sent", seq_id)
+        gen = Generation(seq_id, tuple(prompt_ids), tuple(ids), tuple(rows), k, "vllm.completions.stream", "".join(text),
+                         finish, prompt_tokens, cached,
+                         HttpTiming(1, times[-1] if times else 0.0))
+        return StreamedGeneration(gen, tuple(times), tuple(counts))
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """vLLM ``POST /tokenize``; checks ``count`` against the list."""
+        reply = self.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special_tokens})
+        ids = need(reply.data, "tokens", list, "/tokenize response")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise EngineResponseError(Malformed.TOKENIZE_MISMATCH, f"/tokenize tokens[{i}] is {t!r}", url=reply.url)
+            check_id_range(t, "tokenized id", None, i, self.config.vocab_size)
+        count = reply.data.get("count")
+        if count is not None and count != len(ids):
+            raise EngineResponseError(Malformed.TOKENIZE_MISMATCH, f"/tokenize count {count} but {len(ids)} tokens",
+                                      url=reply.url)
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        reply = self.post_json("/detokenize", {"model": self.model, "tokens": list(ids)})
+        return need(reply.data, "prompt", str, "/detokenize response")
+
+    def models(self) -> list[str]:
+        reply = self.get_json("/v1/models")
+        data = need(reply.data, "data", list, "/v1/models response")
+        return [need(m, "id", str, "/v1/models entry") for m in data]
+
+    def metrics(self) -> MetricsSnapshot:
+        text, _ = self.get_text("/metrics")
+        return parse_metrics(text, self._url("/metrics"))
+
+    def _check_ids(self, ids: Sequence[int], seq_id: str) -> None:
+        if len(ids) == 0:
+            raise ValueError(f"sequence {seq_id!r}: empty token-id sequence")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+                raise ValueError(f"sequence {seq_id!r} position {i}: {t!r} is not a token id")
+
+
+def _open_stream(client: openai.OpenAI, known: dict, extra: dict):
+    cm = client.completions.with_streaming_response.create(**known, extra_body=extra)
+    return cm.__enter__()
+
+
+def _error_message(exc: openai.APIStatusError) -> str:
+    try:
+        body = exc.response.json()
+    except Exception:
+        return (exc.response.text or str(exc))[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:500]
+        return str(err)[:500]
+    return str(body)[:500]
+
+
+def parse_metrics(text: str, url: str = "/metrics") -> MetricsSnapshot:
+    """Prometheus text exposition → :class:`MetricsSnapshot` via ``prometheus_client.parser``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            families.setdefault(fam.name, []).extend((s.name, dict(s.labels), float(s.value)) for s in fam.samples)
+    except Exception as exc:  # the parser raises ValueError / IndexError / TypeError on bad text
+        raise EngineResponseError(Malformed.METRICS_MALFORMED, f"{type(exc).__name__}: {exc}", url=url) from None
+    if text.strip() and not families:
+        raise EngineResponseError(Malformed.METRICS_MALFORMED, "no metric families in a non-empty body", url=url)
+    return MetricsSnapshot(families, text)
+
+
+# ---------------------------------------------------------------------------------------------- panel scoring
+class _EncodedSequence(Protocol):
+    seq_id: str
+    domain: str
+    token_ids: Sequence[int]
+    scored_mask: Sequence[bool]
+
+
+class _EncodedPanel(Protocol):
+    panel_name: str
+    panel_version: Any
+    panel_hash: str
+    tokenizer_hash: str
+    sequences: Sequence[_EncodedSequence]
+
+
+@dataclass
+class ScoreStats:
+    """Timing of one :func:`score_panel` run (filled in place when passed)."""
+
+    wall_s: float = 0.0
+    http_s: float = 0.0            # sum of HTTP round trips (send → body received)
+    requests: int = 0
+    build_s: float = 0.0           # record building after all responses
+    sequences: int = 0
+    positions: int = 0
+    ambiguous: int = 0
+
+
+def to_sequence_scores(seq: _EncodedSequence, got: SequenceLogprobs) -> SequenceScores:
+    """Canonical rows of one sequence → the record writer's per-sequence arrays (scored positions only)."""
+    ids = tuple(int(t) for t in seq.token_ids)
+    if got.token_ids != ids:
+        raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, "adapter returned another id sequence", seq.seq_id)
+    mask = np.asarray(seq.scored_mask, dtype=bool)
+    if mask.shape != (len(ids),):
+        raise ValueError(f"sequence {seq.seq_id!r}: scored_mask has {mask.size} entries for {len(ids)} ids")
+    if mask.size and mask[0]:
+        raise ValueError(f"sequence {seq.seq_id!r} position 0: position 0 cannot be scored")
+    by_pos = {p.position: p for p in got.positions}
+    k = got.k
+    positions = np.flatnonzero(mask)
+    n = positions.size
+    top_ids = np.full((n, k), -1, dtype=np.int64)
+    top_lp = np.full((n, k), -np.inf, dtype=np.float64)
+    actual = np.empty(n, dtype=np.float64)
+    rank = np.zeros(n, dtype=np.int64)
+    amb = np.zeros(n, dtype=bool)
+    for r, pos in enumerate(positions):
+        row = by_pos.get(int(pos))
+        if row is None:
+            raise EngineResponseError(Malformed.LENGTH_MISMATCH, "adapter returned no row for a scored position",
+                                      seq.seq_id, int(pos))
+        if row.actual_id != ids[pos]:
+            raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH,
+                                      f"row names actual id {row.actual_id}, sequence has {ids[pos]}", seq.seq_id, int(pos))
+        m = len(row.top_ids)
+        if m > k:
+            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{m} top entries for k={k}", seq.seq_id, int(pos))
+        top_ids[r, :m] = row.top_ids
+        top_lp[r, :m] = row.top_logprobs
+        actual[r] = row.actual_logprob
+        rank[r] = row.actual_rank
+        amb[r] = row.ambiguous
+    return SequenceScores(seq.seq_id, seq.domain, np.asarray(ids, dtype=np.int64), mask, top_ids, top_lp, actual, rank,
+                          ambiguous=amb if got.keyed_by == "string" else None)
+
+
+def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, provenance_source: EngineSource, *,
+                max_concurrency: int | None = None, progress: bool = True, stats: ScoreStats | None = None,
+                cache_salt: Callable[[str], str | None] | None = None) -> Record:
+    """Score every sequence of ``encoded_panel`` on the engine → a ``Record`` with side ``engine``.
+
+    One request per sequence (llama-server: one per prefix), at most ``max_concurrency`` in flight. vLLM
+    requests carry a fresh random ``cache_salt`` each (``cache_salt`` may map seq_id → salt instead, e.g. to
+    study the prefix cache). The first failing sequence's error is raised after in-flight requests end.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    seqs = list(encoded_panel.sequences)
+    if not seqs:
+        raise ValueError(f"panel {encoded_panel.panel_name!r} has no sequences")
+    workers = max(1, int(max_concurrency or client.config.max_concurrency))
+    stats = stats if stats is not None else ScoreStats()
+    t0 = time.perf_counter()
+
+    def one(seq: _EncodedSequence) -> SequenceLogprobs:
+        salt = cache_salt(seq.seq_id) if cache_salt is not None else None
+        return client.prompt_logprobs(list(seq.token_ids), k, seq_id=seq.seq_id, cache_salt=salt)
+
+    results: list[SequenceLogprobs | None] = [None] * len(seqs)
+    with _progress(progress, f"{client.adapter.name} · {encoded_panel.panel_name}", len(seqs)) as advance:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41-score") as pool:
+            futures = [pool.submit(one, s) for s in seqs]
+            for i, fut in enumerate(futures):
+                results[i] = fut.result()
+                advance()
+    tb = time.perf_counter()
+    scores = [to_sequence_scores(s, r) for s, r in zip(seqs, results)]
+    surfaces = sorted({r.surface for r in results})
+    keyed = sorted({r.keyed_by for r in results})
+    timing = HttpTiming()
+    for r in results:
+        timing = timing + r.timing
+    cached = [r.cached_tokens for r in results]
+    prov = Provenance(
+        side="engine",
+        panel_name=encoded_panel.panel_name,
+        panel_version=str(encoded_panel.panel_version),
+        panel_hash=encoded_panel.panel_hash,
+        tokenizer_hash=encoded_panel.tokenizer_hash,
+        source=provenance_source.as_source(),
+        precision=provenance_source.precision,
+        code_version=code_version(),
+        created=Provenance.now(),
+        extra={
+            "adapter": client.adapter.name, "surface": surfaces, "keyed_by": keyed, "k_requested": k,
+            "cache_salt": "fresh random salt per request" if cache_salt is None else "caller-provided",
+            "cached_tokens": None if any(c is None for c in cached) else int(sum(cached)),
+            "ambiguous_positions": int(sum(r.n_ambiguous for r in results)),
+            "requests": timing.requests,
+        },
+    )
+    record = Record.from_sequences(prov, scores, k=k)
+    t1 = time.perf_counter()
+    stats.wall_s = t1 - t0
+    stats.http_s = timing.http_s
+    stats.requests = timing.requests
+    stats.build_s = t1 - tb
+    stats.sequences = len(seqs)
+    stats.positions = record.n_positions
+    stats.ambiguous = int(prov.extra["ambiguous_positions"])
+    return record
+
+
+class _progress:
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled, self.label, self.total = enabled, label, total
+        self._p = None
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           transient=True)
+        self._p.__enter__()
+        task = self._p.add_task(self.label, total=self.total)
+        return lambda: self._p.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+
+_CODE_VERSION: str | None = None
+
+
+def code_version() -> str:
+    """``ds41-gates <version>`` plus the git commit of the checkout when there is one."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        try:
+            ver = importlib.metadata.version("ds41-gates")
+        except importlib.metadata.PackageNotFoundError:
+            ver = "unknown"
+        commit = ""
+        try:
+            out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                 capture_output=True, text=True, timeout=5)
+            if out.returncode == 0:
+                commit = "+g" + out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        _CODE_VERSION = f"ds41-gates {ver}{commit}"
+    return _CODE_VERSION

@@ -1,0 +1,124 @@
+"""Named errors of the engine client and adapters.
+
+Every malformed engine response raises :class:`EngineResponseError` with a :class:`Malformed` kind, so a
+reliability suite can enumerate the kinds (``list(Malformed)``) and provoke each one against a fake
+server. Transport failures (after bounded retries) raise :class:`EngineTransportError`; requests that
+the engine refuses on purpose (HTTP 4xx, e.g. the vLLM logprob cap) raise :class:`EngineRequestRejected`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Malformed(str, enum.Enum):
+    """What is wrong with a response. Values are stable identifiers (used in reports and tests)."""
+
+    # body level
+    EMPTY_BODY = "empty_body"                    # 2xx with no body
+    INVALID_JSON = "invalid_json"                # not JSON at all / truncated JSON
+    NON_STANDARD_NUMBER = "non_standard_number"  # NaN / Infinity literals in the JSON text
+    DUPLICATE_KEY = "duplicate_key"              # the same key twice in one JSON object (string-key collision)
+    WRONG_TYPE = "wrong_type"                    # a field has the wrong JSON type
+    MISSING_FIELD = "missing_field"              # a required field is absent
+    WRONG_MODEL = "wrong_model"                  # response names another model than requested
+    NO_CHOICES = "no_choices"                    # choices empty, or more than one
+    # logprob surfaces
+    MISSING_LOGPROBS = "missing_logprobs"        # logprobs / prompt_logprobs absent or null as a whole
+    NULL_ENTRY = "null_entry"                    # null where a value is required (position >= 1)
+    POSITION0_NOT_NULL = "position0_not_null"    # position 0 carries a distribution
+    LENGTH_MISMATCH = "length_mismatch"          # per-position list has the wrong length
+    PROMPT_IDS_MISMATCH = "prompt_ids_mismatch"  # the ids the engine echoes differ from the ids sent
+    NON_FINITE = "non_finite"                    # NaN or +inf logprob
+    POSITIVE_LOGPROB = "positive_logprob"        # logprob > 0
+    BAD_TOKEN_KEY = "bad_token_key"              # key is not an integer id / not "token_id:N"
+    ID_OUT_OF_RANGE = "id_out_of_range"          # negative id, or >= vocabulary size
+    DUPLICATE_ID = "duplicate_id"                # two entries of one position carry the same id
+    TOO_FEW_ENTRIES = "too_few_entries"          # fewer than k entries at a position
+    TOO_MANY_ENTRIES = "too_many_entries"        # more than k+1 entries at a position
+    ACTUAL_MISSING = "actual_missing"            # the actual/sampled token is absent where the surface promises it
+    ACTUAL_INCONSISTENT = "actual_inconsistent"  # actual token's value disagrees between two fields of one response
+    BAD_RANK = "bad_rank"                        # rank missing, < 1, or top-k ranks not 1..k
+    RANK_ORDER = "rank_order"                    # logprobs rise with rank
+    GENERATED_MISMATCH = "generated_mismatch"    # generated ids and their logprob entries disagree
+    TOKENIZE_MISMATCH = "tokenize_mismatch"      # tokenizer endpoint answer is inconsistent
+    STREAM_MALFORMED = "stream_malformed"        # an SSE chunk is not a valid event
+    USAGE_MALFORMED = "usage_malformed"          # usage block has wrong types / negative counts
+    METRICS_MALFORMED = "metrics_malformed"      # /metrics is not Prometheus text format
+
+
+class EngineError(Exception):
+    """Base of every error the engine client raises."""
+
+
+class EngineResponseError(EngineError):
+    """The engine answered, but the answer is malformed. Names kind, sequence and position."""
+
+    def __init__(self, kind: Malformed, detail: str, seq_id: str | None = None, position: int | None = None,
+                 url: str | None = None):
+        self.kind = Malformed(kind)
+        self.detail = detail
+        self.seq_id = seq_id
+        self.position = position
+        self.url = url
+        where = []
+        if seq_id is not None:
+            where.append(f"sequence {seq_id!r}")
+        if position is not None:
+            where.append(f"position {position}")
+        if url is not None:
+            where.append(url)
+        loc = (" at " + ", ".join(where)) if where else ""
+        super().__init__(f"malformed engine response [{self.kind.value}]{loc}: {detail}")
+
+    def at(self, seq_id: str | None = None, url: str | None = None) -> "EngineResponseError":
+        """A copy with the sequence id / url filled in (parsers often do not know them)."""
+        return EngineResponseError(self.kind, self.detail, self.seq_id if self.seq_id is not None else seq_id,
+                                   self.position, self.url if self.url is not None else url)
+
+
+class EngineTransportError(EngineError):
+    """The engine could not be reached, timed out, or kept answering 5xx after the bounded retries."""
+
+    def __init__(self, what: str, url: str, attempts: int, detail: str, status: int | None = None,
+                 seq_id: str | None = None):
+        self.what = what
+        self.url = url
+        self.attempts = attempts
+        self.status = status
+        self.detail = detail
+        self.seq_id = seq_id
+        seq = f" (sequence {seq_id!r})" if seq_id is not None else ""
+        code = f" HTTP {status}" if status is not None else ""
+        super().__init__(f"engine {what}{code} at {url}{seq} after {attempts} attempt(s): {detail}")
+
+
+class EngineRequestRejected(EngineError):
+    """The engine refused the request (HTTP 4xx): not retried, the message says why."""
+
+    def __init__(self, status: int, url: str, message: str, seq_id: str | None = None):
+        self.status = status
+        self.url = url
+        self.message = message
+        self.seq_id = seq_id
+        seq = f" (sequence {seq_id!r})" if seq_id is not None else ""
+        super().__init__(f"engine rejected the request with HTTP {status} at {url}{seq}: {message}")
+
+
+class TokenRoundTripError(EngineError):
+    """A token-id sequence cannot be sent faithfully to a text-only engine (llama-cpp-python)."""
+
+    def __init__(self, seq_id: str | None, position: int, sent: list[int], got: list[int]):
+        self.seq_id = seq_id
+        self.position = position
+        self.sent = sent
+        self.got = got
+        lo = max(0, position - 2)
+        super().__init__(
+            f"sequence {seq_id!r}: token ids do not round-trip through the engine's text tokenizer; first "
+            f"difference at position {position} (sent {sent[lo:position + 3]}, re-tokenized "
+            f"{got[lo:position + 3]}; lengths {len(sent)} vs {len(got)})")
+
+
+class UnsupportedSurface(EngineError):
+    """The adapter's engine does not offer what was asked (e.g. streaming prompt logprobs)."""
