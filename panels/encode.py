@@ -53,7 +53,7 @@ def _encode_item(item: PanelItem, tok: PanelTokenizer, allow_split_markers: bool
             raise ChatFormatError(
                 f"item '{item.id}': tokenizer '{tok.name}' ({tok.source}) has no special token for "
                 f"{split}, which format '{tok.chat_format.name}' writes; they would be split into "
-                "ordinary tokens. Use the model's own tokenizer, or pass allow_split_markers=True."
+                "ordinary tokens. Use the model's own tokenizer, or pass allow_split_markers=True (CLI: --allow-split-markers)."
             )
         enc = tk.encode(rendered.text, add_special_tokens=False)
         ids = list(enc.ids)

