@@ -1,0 +1,197 @@
+"""Benchmark: every panel metric (metrics.panel_metrics, prompt bootstrap included) on a large record pair.
+
+1,000,000 scored positions, engine top-20, reference top-32, 8 domains. The time is reported as a ratio
+to a plain np.copy of the same input arrays measured in the same run, so that the number means something
+on a shared, noisy machine. Writes benchmarks/results/metrics.json (atomically).
+
+Run: .venv/bin/python benchmarks/bench_metrics.py [--positions N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as _dt
+import io
+import json
+import os
+import platform
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ds41gates import metrics  # noqa: E402
+from ds41gates.records import Provenance, Record  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "metrics.json"
+DOMAINS = ("code", "math", "agentic", "knowledge", "multilingual", "chat", "writing", "structured")
+
+
+def _provenance(side: str) -> Provenance:
+    return Provenance(side=side, panel_name="bench", panel_version="1", panel_hash="b" * 64,
+                      tokenizer_hash="t" * 64, precision="fp32" if side == "oracle" else "bf16")
+
+
+def make_records(n_positions: int, seq_len: int = 500, k_ref: int = 32, k_eng: int = 20, vocab: int = 50_000,
+                 seed: int = 0) -> tuple[Record, Record]:
+    """A reference/engine pair with realistic structure: the engine's top-k is the reference's with noise,
+    some engine ids fall outside the reference top-32, the actual token is usually high-ranked."""
+    rng = np.random.default_rng(seed)
+    n_seq = n_positions // seq_len
+    n = n_seq * seq_len
+    # Reference: distinct ids per row (a random base id plus distinct offsets), Zipf-ish decaying logprobs.
+    base = rng.integers(0, vocab - 4 * k_ref, size=(n, 1))
+    offs = np.argsort(rng.random((n, 4 * k_ref)), axis=1)[:, :k_ref]
+    ref_ids = base + offs
+    steep = rng.uniform(0.3, 3.0, size=(n, 1))
+    raw = -steep * np.log1p(np.arange(k_ref))[None, :] - rng.exponential(0.05, size=(n, k_ref)).cumsum(axis=1)
+    # Leave tail mass outside the top-32: normalise against an extra "rest" cell.
+    rest = np.log(rng.uniform(0.001, 0.2, size=(n, 1)))
+    lse = np.logaddexp(np.log(np.exp(raw).sum(axis=1, keepdims=True)), rest)
+    ref_lp = raw - lse
+    # Engine: the reference logprobs perturbed, re-sorted; its k_eng ids are mostly the reference's,
+    # with ~5% of the ranks-(k_eng+) replaced by ids the reference does not list.
+    q_raw = ref_lp + rng.normal(0, 0.12, size=ref_lp.shape)
+    order = np.argsort(-q_raw, axis=1, kind="stable")[:, :k_eng]
+    eng_ids = np.take_along_axis(ref_ids, order, axis=1)
+    eng_lp = np.take_along_axis(q_raw, order, axis=1) - np.log(1.002)
+    swap = rng.random((n, k_eng)) < 0.05
+    swap[:, :3] = False
+    eng_ids = np.where(swap, vocab + np.arange(k_eng)[None, :], eng_ids)  # ids the reference never lists
+    # The actual token: mostly the reference top-1..5, sometimes deeper.
+    pick = np.minimum(rng.geometric(0.6, size=n) - 1, k_ref - 1)
+    actual = ref_ids[np.arange(n), pick]
+    ref_actual = ref_lp[np.arange(n), pick]
+    eng_actual = q_raw[np.arange(n), pick] - np.log(1.002)
+    # Sequence layout: position 0 of each sequence is unscored, so T = n_seq * (seq_len + 1).
+    tokens = np.zeros((n_seq, seq_len + 1), dtype=np.int64)
+    tokens[:, 1:] = actual.reshape(n_seq, seq_len)
+    scored = np.ones((n_seq, seq_len + 1), dtype=bool)
+    scored[:, 0] = False
+    common = dict(
+        k=None, seq_ids=[f"s{i}" for i in range(n_seq)], domains=[DOMAINS[i % len(DOMAINS)] for i in range(n_seq)],
+        seq_offsets=np.arange(n_seq + 1, dtype=np.int64) * (seq_len + 1), token_ids=tokens.ravel(),
+        scored=scored.ravel(), pos_seq=np.repeat(np.arange(n_seq, dtype=np.int64), seq_len),
+        pos_index=np.tile(np.arange(1, seq_len + 1, dtype=np.int64), n_seq),
+    )
+    ranks = (pick + 1).astype(np.int64)
+    ref = Record(provenance=_provenance("oracle"), **{**common, "k": k_ref}, topk_ids=ref_ids.astype(np.int64),
+                 topk_logprobs=ref_lp, actual_logprob=ref_actual, actual_rank=ranks)
+    eng = Record(provenance=_provenance("engine"), **{**common, "k": k_eng}, topk_ids=eng_ids.astype(np.int64),
+                 topk_logprobs=eng_lp, actual_logprob=eng_actual, actual_rank=np.zeros(n, dtype=np.int64))
+    return ref, eng
+
+
+def _arrays(rec: Record) -> list[np.ndarray]:
+    return [rec.token_ids, rec.scored, rec.pos_seq, rec.pos_index, rec.topk_ids, rec.topk_logprobs,
+            rec.actual_logprob, rec.actual_rank]
+
+
+def time_copy(ref: Record, eng: Record, repeats: int = 3) -> float:
+    """Best-of time to np.copy every input array the metrics read."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copies = [np.copy(a) for a in _arrays(ref) + _arrays(eng)]
+        best = min(best, time.perf_counter() - t0)
+        del copies
+    return best
+
+
+def time_stage(fn, *args, **kwargs) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def profile_top(fn, *args, n: int = 15, **kwargs) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn(*args, **kwargs)
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(file).name}:{line}:{name}", "calls": nc, "tottime_s": round(tt, 4),
+                     "cumtime_s": round(ct, 4)})
+    rows.sort(key=lambda r: r["cumtime_s"], reverse=True)
+    return rows[:n]
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--positions", type=int, default=1_000_000)
+    ap.add_argument("--n-boot", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true", help="also record a cProfile of panel_metrics")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    t_build, (ref, eng) = time_stage(make_records, args.positions)
+    n = ref.n_positions
+    input_bytes = sum(a.nbytes for a in _arrays(ref) + _arrays(eng))
+    t_copy = time_copy(ref, eng)
+    # Stages, each timed once (the position pass is what panel_metrics runs first).
+    t_pos, pm = time_stage(metrics.position_metrics, ref, eng)
+    t_panel, panel = time_stage(metrics.panel_metrics, ref, eng, n_boot=args.n_boot)
+    ratio = t_panel / t_copy
+    result = {
+        "benchmark": "metrics.panel_metrics",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "positions": n,
+        "sequences": ref.n_sequences,
+        "domains": len(set(ref.domains)),
+        "k_engine": eng.k,
+        "k_reference": ref.k,
+        "n_boot": args.n_boot,
+        "input_bytes": input_bytes,
+        "seconds": {
+            "build_records": round(t_build, 3),
+            "np_copy_inputs": round(t_copy, 4),
+            "position_metrics": round(t_pos, 3),
+            "panel_metrics_total": round(t_panel, 3),
+            "summaries_and_bootstrap": round(t_panel - t_pos, 3),
+        },
+        "ratio_to_copy": round(ratio, 2),
+        "goal_ratio": 5.0,
+        "within_goal": bool(ratio <= 5.0),
+        "overall_kl_part_mean": panel.overall.kl_part.mean,
+        "overall_top1": panel.overall.top1,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "cpu_count": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "note": "shared 2-core machine; one run, timings are noisy",
+        },
+        "command": ".venv/bin/python benchmarks/bench_metrics.py" + (" --profile" if args.profile else ""),
+    }
+    if args.profile:
+        result["profile_top_cumulative"] = profile_top(metrics.panel_metrics, ref, eng, n_boot=args.n_boot)
+    write_json_atomic(args.out, result)
+    print(json.dumps({k: result[k] for k in ("positions", "seconds", "ratio_to_copy", "within_goal")}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The panel report: report.json, report.md and a self-contained report.html (gates.md §3).
+
+`build_report(reference, [(label, engine_record), ...], out_dir, extra)` computes every metric with
+`ds41gates.metrics`, turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
+from that dict with jinja2 templates, and writes the three files atomically.
+
+Text taken from records, panels or `extra` is never trusted: the HTML environment autoescapes, and the
+Markdown environment escapes every `{{ ... }}` output through `md_escape` (pipes, angle brackets,
+link/emphasis characters, newlines).
+
+`extra` lets later gates add sections without touching this module:
+
+    extra = {
+        "Gate verdicts": {
+            "note": "bands from bands/v3.toml",          # optional free text, shown above the table
+            "rows": [{"gate": "kl_panel", "domain": "code", "verdict": "pass", "mean": 0.012}, ...],
+        },
+        ...
+    }
+
+Each section becomes one table; its columns are the union of the rows' keys in first-seen order.
+Values may be numbers, strings, booleans, None, or nested lists/dicts (shown as compact JSON).
+Non-finite numbers are written to report.json as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import numpy as np
+
+from ds41gates import metrics
+from ds41gates.records import Record
+
+REPORT_FORMAT = "ds41-report/1"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+PAIRED_METRICS = ("kl_part", "nll_eng")
+
+
+class ReportError(ValueError):
+    """The report cannot be built from these inputs; the message says which input."""
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    out_dir: Path
+    json: Path
+    markdown: Path
+    html: Path
+
+
+@dataclass
+class EngineResult:
+    """One engine record scored against the reference."""
+
+    label: str
+    record: Record
+    panel: metrics.PanelMetrics
+
+
+# ---------------------------------------------------------------------------- JSON-safe values
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types only: numpy scalars/arrays unwrapped, tuples to lists, non-finite floats to None."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return [jsonable(v) for v in value.tolist()]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        f = float(value)
+        return f if math.isfinite(f) else None
+    if value is None or isinstance(value, str):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
+    return str(value)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+def _subset(pm: metrics.PositionMetrics, mask: np.ndarray) -> metrics.PositionMetrics:
+    return metrics.PositionMetrics(**{f.name: getattr(pm, f.name)[mask] for f in dataclasses.fields(pm)})
+
+
+def evaluate(reference: Record, engines: Sequence[tuple[str, Record]], n_boot: int = 2000,
+             seed: int = 0) -> list[EngineResult]:
+    """Score every engine record against the reference (raises RecordMismatch naming the record)."""
+    if not engines:
+        raise ReportError("a report needs at least one engine record")
+    labels = [label for label, _ in engines]
+    dupes = sorted({lb for lb in labels if labels.count(lb) > 1})
+    if dupes:
+        raise ReportError(f"engine record labels must be unique; repeated: {dupes}")
+    out = []
+    for label, rec in engines:
+        try:
+            panel = metrics.panel_metrics(reference, rec, n_boot=n_boot, seed=seed)
+        except ValueError as exc:  # RecordError / RecordMismatch: say which record
+            raise type(exc)(f"engine record {label!r}: {exc}") from exc
+        out.append(EngineResult(label=label, record=rec, panel=panel))
+    return out
+
+
+def _worst_prompts(reference: Record, pm: metrics.PositionMetrics) -> dict[str, dict]:
+    """Per domain: the prompt with the highest mean KL_part (gates.md §3, 'worst per-prompt mean')."""
+    keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
+    means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], reference.n_sequences)
+    seq_domains = np.asarray(reference.domains, dtype=object)
+    out = {}
+    for d in dict.fromkeys(reference.domains):
+        idx = np.flatnonzero((seq_domains == d) & ~np.isnan(means))
+        if idx.size:
+            worst = int(idx[np.argmax(means[idx])])
+            out[d] = {"seq_id": reference.seq_ids[worst], "kl_part_mean": float(means[worst])}
+    return out
+
+
+def _derived(reference: Record, result: EngineResult) -> dict:
+    panel = result.panel
+    r20 = [g.kl_r20.mean for g in panel.domains.values() if g.kl_r20.n_positions]
+    return {
+        "macro_kl_r20": float(np.mean(r20)) if r20 else float("nan"),
+        "worst_prompt": _worst_prompts(reference, panel.positions),
+    }
+
+
+def compare(reference: Record, results: Sequence[EngineResult], n_boot: int = 2000, seed: int = 0) -> dict | None:
+    """Each record after the first against the first: paired per-prompt comparisons (gates.md §2.6)."""
+    if len(results) < 2:
+        return None
+    base = results[0]
+    domains = list(dict.fromkeys(reference.domains))
+    candidates = []
+    for cand in results[1:]:
+        a, b = base.panel.positions, cand.panel.positions
+        overall = {m: metrics.paired_comparison(a, b, m, n_boot, seed).as_dict() for m in PAIRED_METRICS}
+        per_domain = {}
+        for d in domains:
+            mask = a.domain == d
+            sa, sb = _subset(a, mask), _subset(b, mask)
+            per_domain[d] = {m: metrics.paired_comparison(sa, sb, m, n_boot, seed).as_dict() for m in PAIRED_METRICS}
+        closer = sum(1 for d in domains
+                     if cand.panel.domains[d].kl_part.mean < base.panel.domains[d].kl_part.mean)
+        ps = [(v["kl_part"]["wilcoxon_p"], d) for d, v in per_domain.items()
+              if v["kl_part"]["wilcoxon_p"] is not None and math.isfinite(v["kl_part"]["wilcoxon_p"])]
+        smallest = min(ps) if ps else (float("nan"), None)
+        candidates.append({
+            "label": cand.label,
+            "overall": overall,
+            "domains": per_domain,
+            "closer_domains": closer,
+            "n_domains": len(domains),
+            "smallest_domain_p": {"p": smallest[0], "domain": smallest[1]},
+        })
+    return {"baseline": base.label, "metrics": list(PAIRED_METRICS), "candidates": candidates}
+
+
+def normalise_extra(extra: Mapping[str, Any] | None) -> dict[str, dict]:
+    """Check `extra` against {title: {"rows": [dict, ...], "note": str}} and add the column list."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ReportError(f"extra must be a dict of sections, got {type(extra).__name__}")
+    out = {}
+    for title, section in extra.items():
+        if not isinstance(title, str):
+            raise ReportError(f"extra section titles must be strings, got {title!r}")
+        if not isinstance(section, Mapping):
+            raise ReportError(f"extra section {title!r} must be a dict with 'rows' and optional 'note'")
+        unknown = set(section) - {"rows", "note"}
+        if unknown:
+            raise ReportError(f"extra section {title!r} has unknown keys {sorted(unknown)} (allowed: rows, note)")
+        rows = section.get("rows", [])
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, Mapping) for r in rows):
+            raise ReportError(f"extra section {title!r}: 'rows' must be a list of dicts")
+        note = section.get("note", "")
+        if not isinstance(note, str):
+            raise ReportError(f"extra section {title!r}: 'note' must be a string")
+        columns = list(dict.fromkeys(str(k) for r in rows for k in r))
+        out[title] = {"note": note, "columns": columns,
+                      "rows": [jsonable({str(k): v for k, v in r.items()}) for r in rows]}
+    return out
+
+
+def _record_info(label: str, rec: Record) -> dict:
+    return {
+        "label": label,
+        "provenance": dataclasses.asdict(rec.provenance),
+        "k": rec.k,
+        "n_sequences": rec.n_sequences,
+        "n_positions": rec.n_positions,
+        "full_vocabulary": rec.full_logprobs is not None,
+    }
+
+
+def report_data(reference: Record, results: Sequence[EngineResult], extra: Mapping[str, Any] | None = None,
+                n_boot: int = 2000, seed: int = 0, title: str | None = None) -> dict:
+    """Everything the report shows, as plain JSON types (pure apart from the creation time)."""
+    prov = reference.provenance
+    return jsonable({
+        "format": REPORT_FORMAT,
+        "title": title or f"KL panel report: {prov.panel_name}@{prov.panel_version}",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {
+            "near_tie_delta": metrics.NEAR_TIE_DELTA,
+            "rest_floor": metrics.REST_FLOOR,
+            "r20_support": metrics.R20_SUPPORT,
+            "confidence_buckets": list(metrics.CONFIDENCE_LABELS),
+            "n_boot": n_boot,
+            "seed": seed,
+            "ci_level": 0.95,
+        },
+        "reference": _record_info("reference", reference),
+        "domains": list(dict.fromkeys(reference.domains)),
+        "engines": [{**_record_info(r.label, r.record), "metrics": r.panel.as_dict(), "derived": _derived(reference, r)}
+                    for r in results],
+        "comparison": compare(reference, results, n_boot, seed),
+        "extra": normalise_extra(extra),
+    })
+
+
+# ---------------------------------------------------------------------------- formatting
+
+_MD_BACKSLASH = re.compile(r"([\\`*_\[\]|#~!])")
+
+
+class MdSafe(str):
+    """Markdown that was produced by the template itself (its own outputs already escaped)."""
+
+
+def md_escape(value: Any) -> str:
+    """Make any text inert inside a Markdown table cell or paragraph."""
+    if isinstance(value, MdSafe):
+        return value
+    text = str(value)
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MD_BACKSLASH.sub(r"\\\1", text)
+    return re.sub(r"[\r\n\t]+", " ", text)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt(x: Any, digits: int = 4) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if not _finite(x):
+        return "—"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6):
+        return f"{x:.{max(digits - 1, 1)}e}"
+    return f"{x:.{digits}g}"
+
+
+def fmt_pct(x: Any, digits: int = 2) -> str:
+    return f"{100 * x:.{digits}f}%" if _finite(x) else "—"
+
+
+def fmt_ci(lo: Any, hi: Any) -> str:
+    return f"[{fmt(lo)}, {fmt(hi)}]" if _finite(lo) and _finite(hi) else ""
+
+
+def fmt_p(p: Any) -> str:
+    if not _finite(p):
+        return "—"
+    return f"{p:.2e}" if p < 1e-3 else f"{p:.3f}"
+
+
+def fmt_cell(value: Any) -> str:
+    """A generic `extra` table cell."""
+    if value is None:
+        return "—"
+    if isinstance(value, (bool, int, float)):
+        return fmt(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def fmt_source(source: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Provenance `source` (url, model, profile, flags...) as (key, text) pairs."""
+    out = []
+    for key, val in source.items():
+        text = val if isinstance(val, str) else json.dumps(val, sort_keys=True)
+        out.append((str(key), text))
+    return out
+
+
+def _environment(markdown: bool) -> jinja2.Environment:
+    if markdown:
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=False,
+                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                 trim_blocks=True, lstrip_blocks=True, finalize=md_escape)
+    else:
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                                 undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    if markdown:
+        env.filters["rendered"] = MdSafe  # only for macro output, whose own {{ }} were escaped already
+    env.filters.update(fmt=fmt, pct=fmt_pct, ci=fmt_ci, p=fmt_p, cell=fmt_cell, source=fmt_source)
+    env.globals.update(finite=_finite)
+    return env
+
+
+def render_markdown(data: dict) -> str:
+    return _environment(markdown=True).get_template("report.md.jinja").render(r=data)
+
+
+def render_html(data: dict, plots: Mapping[str, str]) -> str:
+    """`plots`: {title: base64 PNG}; embedded as data: URIs so the file is self-contained."""
+    return _environment(markdown=False).get_template("report.html.jinja").render(r=data, plots=plots)
+
+
+# ---------------------------------------------------------------------------- IO
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
+                 extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
+                 title: str | None = None) -> ReportPaths:
+    """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`."""
+    from reports import plots  # matplotlib is imported only when a report is drawn
+
+    results = evaluate(reference, engines, n_boot, seed)
+    data = report_data(reference, results, extra, n_boot, seed, title)
+    images = plots.render_all(data, results)
+    out = Path(out_dir)
+    paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")
+    write_text_atomic(paths.json, json.dumps(data, indent=1, allow_nan=False) + "\n")
+    write_text_atomic(paths.markdown, render_markdown(data))
+    write_text_atomic(paths.html, render_html(data, images))
+    return paths
