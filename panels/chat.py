@@ -126,6 +126,8 @@ class HFJinjaFormat:
                     d["content"] = (m.content + "\n" if m.content else "") + "\n".join(blocks)
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            if m.reasoning is not None:
+                d["reasoning_content"] = m.reasoning
             out.append(d)
         if tools and not self.native_tools:
             intro = INLINE_TOOLS_INTRO.format(schemas="\n".join(_tojson(t.to_json()) for t in tools))
@@ -224,8 +226,8 @@ class DeepSeekV41Format:
 
     In thinking mode the reasoning-effort prefix must be given explicitly: public versions of the
     encoder disagree on the default budget, and a silent default would move tokens between runs.
-    Reasoning text of assistant turns is not part of panel items, so thinking turns render with an
-    empty reasoning block.
+    As upstream, reasoning of assistant turns before the last user turn is dropped unless the
+    conversation declares tools.
     """
 
     thinking: bool = False
@@ -313,7 +315,8 @@ class DeepSeekV41Format:
             else:
                 m = t.message
                 assert m is not None
-                thinking_part = DS_END_THINK if self.thinking and (keep_thinking or k > last_user) else ""
+                shown = self.thinking and (keep_thinking or k > last_user)
+                thinking_part = (m.reasoning or "") + DS_END_THINK if shown else ""
                 part += thinking_part + m.content + _ds_tool_calls(m) + DS_EOS
             nxt = turns[k + 1].role if k + 1 < len(turns) else None
             if nxt == "assistant" and (t.role == "user" or (t.role == "system" and k > 0)):

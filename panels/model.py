@@ -66,9 +66,13 @@ class Message:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    # Assistant reasoning text, rendered only by formats with a thinking mode.
+    reasoning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [c.to_json() for c in self.tool_calls]
         if self.tool_call_id is not None:

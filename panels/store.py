@@ -84,7 +84,7 @@ def _parse_tool_spec(obj: Any, where: str) -> ToolSpec:
 def _parse_message(obj: Any, where: str) -> Message:
     if not isinstance(obj, dict):
         raise PanelError(f"{where}: a message must be an object")
-    _check_keys(obj, {"role", "content", "tool_calls", "tool_call_id"}, where)
+    _check_keys(obj, {"role", "content", "tool_calls", "tool_call_id", "reasoning"}, where)
     role = _need(obj, "role", str, where)
     if role not in ROLES:
         raise PanelError(f"{where}: unknown role '{role}'; expected one of {list(ROLES)}")
@@ -101,7 +101,10 @@ def _parse_message(obj: Any, where: str) -> Message:
         raise PanelError(f"{where}: 'tool_call_id' is only valid on tool messages")
     if not content.strip() and not calls:
         raise PanelError(f"{where}: empty {role} message")
-    return Message(role=role, content=content, tool_calls=calls, tool_call_id=call_id)
+    reasoning = obj.get("reasoning")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise PanelError(f"{where}: 'reasoning' must be a string on an assistant message")
+    return Message(role=role, content=content, tool_calls=calls, tool_call_id=call_id, reasoning=reasoning)
 
 
 def parse_item(obj: Any, where: str) -> PanelItem:
