@@ -1,0 +1,86 @@
+"""`ds41gate report REFERENCE ENGINE_RECORD [MORE ...] [--out DIR] [--label NAME ...]`.
+
+`report_app` is a plain function; ds41gates/cli.py mounts it with `app.command(name="report")`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ds41gates.records import Record, RecordError
+from reports.render import ReportError, build_report, fmt, fmt_ci, fmt_p, fmt_pct
+
+
+def default_labels(paths: list[Path]) -> list[str]:
+    """File stems, made unique by appending #2, #3 ... to repeats."""
+    labels, seen = [], {}
+    for p in paths:
+        stem = p.stem or p.name
+        seen[stem] = seen.get(stem, 0) + 1
+        labels.append(stem if seen[stem] == 1 else f"{stem}#{seen[stem]}")
+    return labels
+
+
+def summary_table(data: dict) -> Table:
+    """Metrics down, records across (the seed cards' layout); every cell is a rich Text, so record text
+    is never read as markup."""
+    table = Table(title=Text(data["title"]))
+    table.add_column("metric")
+    for e in data["engines"]:
+        table.add_column(Text(e["label"]), justify="right")
+    pvals = {}
+    if data["comparison"]:
+        for c in data["comparison"]["candidates"]:
+            pvals[c["label"]] = fmt_p(c["overall"]["kl_part"]["wilcoxon_p"])
+
+    def row(name: str, fn) -> None:
+        table.add_row(Text(name), *[Text(fn(e, e["metrics"]["overall"])) for e in data["engines"]])
+
+    row("positions", lambda e, o: fmt(o["n_positions"]))
+    row("KL_part mean", lambda e, o: fmt(o["kl_part"]["mean"]))
+    row("  95% CI", lambda e, o: fmt_ci(o["kl_part"]["ci_low"], o["kl_part"]["ci_high"]))
+    row("KL_part domain-macro", lambda e, o: fmt(e["metrics"]["macro"]["kl_part"]))
+    row("KL_r20 mean (imputed)", lambda e, o: f"{fmt(o['kl_r20']['mean'])} ({fmt_pct(o['r20_imputation_rate'])})")
+    row("top-1 all", lambda e, o: fmt_pct(o["top1"]))
+    row("top-1 decided", lambda e, o: fmt_pct(o["top1_decided"]))
+    row("PPL eng / ref", lambda e, o: fmt(o["perplexity"].get("ratio"), 5))
+    row("hard fails", lambda e, o: fmt(o["hard_fails"]))
+    if pvals:
+        row("Wilcoxon p vs first", lambda e, o: pvals.get(e["label"], "baseline"))
+    return table
+
+
+def report_app(
+    reference: Path = typer.Argument(..., help="the reference (oracle) record, a .safetensors file"),
+    engine_records: List[Path] = typer.Argument(..., help="one or more engine records; the first is the baseline"),
+    out: Path = typer.Option(Path("ds41-report"), "--out", "-o", help="folder for report.json/.md/.html"),
+    label: Optional[List[str]] = typer.Option(None, "--label", "-l",
+                                              help="a name per engine record, in order (default: file stems)"),
+    n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap resamples"),
+    seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+) -> None:
+    """Score engine records against a reference record and write the panel report (JSON, Markdown, HTML)."""
+    console = Console()
+    err = Console(stderr=True)
+    labels = list(label) if label else default_labels(list(engine_records))
+    if len(labels) != len(engine_records):
+        raise typer.BadParameter(f"{len(labels)} --label value(s) for {len(engine_records)} engine record(s); "
+                                 "give one per record or none", param_hint="--label")
+    try:
+        ref = Record.load(reference)
+        engines = [(lb, Record.load(p)) for lb, p in zip(labels, engine_records)]
+        paths = build_report(ref, engines, out, n_boot=n_boot, seed=seed)
+    except (RecordError, ReportError) as exc:
+        err.print(Text(f"error: {exc}", style="bold red"))
+        raise typer.Exit(code=2)
+    data = json.loads(paths.json.read_text(encoding="utf-8"))
+    console.print(summary_table(data))
+    for kind, path in (("json", paths.json), ("markdown", paths.markdown), ("html", paths.html)):
+        console.print(Text(f"{kind:9s} {path}"), soft_wrap=True)
