@@ -222,29 +222,6 @@ def exl3_k2(trellis_shape, cb: int, who: str = "trellis") -> int:
 
 
 @functools.cache
-def _state_gather(k2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Word indices and shifts of the 256 16-bit windows of one tile (§7.3, kernel form)."""
-    L, nw = 128 * k2, 4 * k2
-    t = torch.arange(256, dtype=torch.int64)
-    b1 = (((t + 1) * k2) >> 1) + L  # biased by one ring so indices stay >= 0
-    b0 = b1 - 16
-    i0 = (b0 // 32) % nw
-    i1 = ((b1 - 1) // 32) % nw
-    sh = ((b1 - 1) // 32 + 1) * 32 - b1
-    return i0, i1, sh
-
-
-def exl3_states(trellis: torch.Tensor, k2: int) -> torch.Tensor:
-    """Trellis ``[kt, nt, 16K]`` int16 -> 16-bit states ``[kt, nt, 256]`` in position order (§7.3)."""
-    u = trellis.to(torch.int64) & 0xFFFF
-    w = u[..., 0::2] | (u[..., 1::2] << 16)  # little-endian uint32 words
-    i0, i1, sh = _state_gather(k2)
-    # the 16-bit window spans at most two words; int64 wrap of the high word never reaches bits [sh, sh+16)
-    both = (w[..., i0] << 32) | w[..., i1]
-    return (both >> sh) & 0xFFFF
-
-
-@functools.cache
 def tile_position_of() -> torch.Tensor:
     """``t(r, c)`` for the 256 tile elements in row-major ``16r + c`` order (§7.5, tensor-core permutation)."""
     r = torch.arange(16).repeat_interleave(16)
@@ -254,22 +231,53 @@ def tile_position_of() -> torch.Tensor:
     return 8 * lane + j
 
 
+@functools.cache
+def _state_gather(k2: int, tile_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each of the 256 windows of a tile: the two int16 word indices it spans and its bit offset.
+
+    §7.3 reads the ring MSB-first inside little-endian uint32 words; equivalently it is the big-endian
+    concatenation of the uint16 stream ``u16[j ^ 1]`` (the two halves of every uint32 swapped). Window t
+    covers ring bits [e - 16, e), e = ((t + 1) * k2) >> 1, so it spans stream words j0 = (e - 16) // 16 and
+    j0 + 1 (mod the ring), starting ``off`` bits into j0.
+    """
+    n16 = 8 * k2  # 16K uint16 words = 128 * k2 ring bits
+    t = torch.arange(256, dtype=torch.int64)
+    if tile_order:
+        t = tile_position_of()
+    b0 = (((t + 1) * k2) >> 1) - 16 + 128 * k2  # biased by one ring so it stays >= 0
+    j0 = (b0 // 16) % n16
+    return j0 ^ 1, ((j0 + 1) % n16) ^ 1, b0 % 16
+
+
+def exl3_states(trellis: torch.Tensor, k2: int, tile_order: bool = False) -> torch.Tensor:
+    """Trellis ``[kt, nt, 16K]`` int16 -> 16-bit states ``[kt, nt, 256]`` (int32), in position order t, or
+    with ``tile_order`` in row-major tile order ``16r + c`` (§7.3, §7.5)."""
+    u = trellis.to(torch.int32) & 0xFFFF
+    i0, i1, off = _state_gather(k2, tile_order)
+    off = off.to(torch.int32)
+    # (hi << off) stays below 2^31; lo >> (16 - off) supplies the remaining low bits
+    return ((u[..., i0] << off) | (u[..., i1] >> (16 - off))) & 0xFFFF
+
+
 def exl3_w_hat(trellis: torch.Tensor, cb: int, k2: int | None = None) -> torch.Tensor:
     """Level A: ``W_hat [in, out]`` in fp16, bit-exact with exllamav3's ``reconstruct`` (§7.3-7.5)."""
     k2 = exl3_k2(trellis.shape, cb) if k2 is None else k2
     kt, nt, _ = trellis.shape
-    vals = codebook_table(cb)[exl3_states(trellis, k2)]  # [kt, nt, 256] in position order
-    tiles = vals[..., tile_position_of()].view(kt, nt, 16, 16)  # [kt, nt, r, c]
+    tiles = codebook_table(cb)[exl3_states(trellis, k2, tile_order=True)].view(kt, nt, 16, 16)
     return tiles.permute(0, 2, 1, 3).reshape(16 * kt, 16 * nt)
 
 
 @functools.cache
-def hadamard128(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def sylvester(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Unnormalised natural-order Sylvester matrix, ``H[i, j] = (-1)^popcount(i & j)`` (§7.6)."""
     h = torch.ones(1, 1, dtype=dtype)
-    while h.shape[0] < 128:
+    while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return h
+
+
+def hadamard128(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return sylvester(128, dtype)
 
 
 def unpack_sign_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -279,13 +287,19 @@ def unpack_sign_bits(bits: torch.Tensor) -> torch.Tensor:
     return (1 - 2 * b).flatten().to(torch.float16)
 
 
+@functools.cache
+def _codebook_f64(cb: int) -> torch.Tensor:
+    return codebook_table(cb).to(torch.float64)
+
+
 def exl3_dequant(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cb: int,
                  rows_per_chunk: int = 1024) -> torch.Tensor:
     """Level B, the canonical fp32 weight (§7.6): returns ``Linear.weight [out, in]`` in fp32.
 
     Per 128x128 block ``S = H W_hat H`` in fp64 is exact in any summation order (W_hat values are multiples
     of 2^-18 below 4, so |S| * 2^18 < 2^34); ``S * suh / 128`` is exact; ``* svh`` is one fp64 rounding, the
-    fp32 cast one more. Decoded ``rows_per_chunk`` input rows at a time to bound memory.
+    fp32 cast one more. The 128-point transform is H8 (x) H16 over the (tile, in-tile) index split, applied
+    directly in the tile layout. Decoded ``rows_per_chunk`` input rows at a time to bound memory.
     """
     k2 = exl3_k2(trellis.shape, cb)
     kt, nt, _ = trellis.shape
@@ -294,19 +308,24 @@ def exl3_dequant(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cb
         raise FormatError(f"EXL3 in/out {n_in}/{n_out} must be multiples of 128 (§7.1)")
     if tuple(suh.shape) != (n_in,) or tuple(svh.shape) != (n_out,):
         raise FormatError(f"EXL3 suh {list(suh.shape)} / svh {list(svh.shape)} must be [{n_in}] / [{n_out}]")
-    H = hadamard128()
-    su = suh.to(torch.float64) / 128
-    sv = svh.to(torch.float64)
+    H8, H16 = sylvester(8), sylvester(16)
+    lut = _codebook_f64(cb)
+    B = n_out // 128
+    sv = svh.to(torch.float64).view(1, 1, B, 8, 1, 16)
     out = torch.empty(n_out, n_in, dtype=torch.float32)
     step = max(128, rows_per_chunk // 128 * 128)
     for r0 in range(0, n_in, step):
         r1 = min(n_in, r0 + step)
-        w_hat = exl3_w_hat(trellis[r0 // 16:r1 // 16], cb, k2).to(torch.float64)  # [rows, out]
-        nb = (r1 - r0) // 128
-        s = torch.matmul(H, w_hat.view(nb, 128, n_out))  # left Hadamard per 128-row block
-        s = torch.matmul(s.view(nb, 128, n_out // 128, 128), H)  # right Hadamard per 128-column block
-        w = s.view(r1 - r0, n_out) * su[r0:r1, None] * sv[None, :]
-        out[:, r0:r1] = w.to(torch.float32).T
+        A = (r1 - r0) // 128
+        # V[A, ka, B, nb, r, c]: input row 128A + 16ka + r, output column 128B + 16nb + c
+        v = lut[exl3_states(trellis[r0 // 16:r1 // 16], k2, tile_order=True)].view(A, 8, B, 8, 16, 16)
+        v = torch.matmul(v, H16)  # c
+        v = torch.matmul(H16, v)  # r
+        v = torch.matmul(H8, v.view(A * 8 * B, 8, 256))  # nb
+        v = torch.matmul(H8, v.view(A, 8, B * 8 * 256)).view(A, 8, B, 8, 16, 16)  # ka
+        su = (suh[r0:r1].to(torch.float64) / 128).view(A, 8, 1, 1, 16, 1)
+        w = ((v * su) * sv).to(torch.float32)
+        out[:, r0:r1] = w.permute(2, 3, 5, 0, 1, 4).reshape(n_out, r1 - r0)
     return out
 
 

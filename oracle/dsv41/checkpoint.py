@@ -1,0 +1,799 @@
+"""Checkpoint and build loading for the DeepSeek-V4.1 oracle (dsv41-architecture.md §4, §19; weight-formats.md §2).
+
+A ``Checkpoint`` opens the official checkpoint folder, optionally layered with a pack folder ("each build's own
+tensors, everything else official", weight-formats.md §2.4), validates every header against the configuration
+before any compute (one ``CheckpointError`` listing every problem), and then reads tensors lazily, one at a
+time, returning exact fp32 weights::
+
+    ck = Checkpoint("/ckpt", pack_dir="/pack")
+    w = ck.load_layer(3)                # {"attn.wq_a.weight": fp32 [out, in], "ffn.experts.0.w1.weight": ..., ...}
+    top = ck.load_top()                 # embed / head / norm
+    lazy = ck.lazy("layers.3")          # a Mapping that dequantizes on access (real-size experts / tables)
+    rows = ck.engram_rows(1, ids)       # only the looked-up Engram rows
+    ck.provenance(); ck.provenance_hash()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import formats as F
+from .config import ModelConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+PLAN_NAME = "exl3_moe_plan.json"
+PROVENANCE_FORMAT = "ds41-provenance/1"
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+class CheckpointError(ValueError):
+    """Every problem found while validating or reading a checkpoint/build, in one message."""
+
+    def __init__(self, where: str, problems: list[str]):
+        self.where, self.problems = where, list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{where}: {len(self.problems)} problem(s):\n{lines}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Expected inventory from the configuration (dsv41-architecture.md §4)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    out: int
+    in_: int
+    storage: str  # official storage: "fp8" (e4m3 + 32x32 e8m0), "fp4" (MXFP4), "bf16"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TableSpec:  # Engram table: {p}.weight F8_E4M3 [rows, width] + {p}.scale F8_E8M0 [rows, width/32]
+    rows: int
+    width: int
+
+
+@dataclass
+class Inventory:
+    linears: dict[str, LinearSpec]
+    tensors: dict[str, TensorSpec]
+    tables: dict[str, TableSpec]
+
+    def official_tensors(self, block: tuple[int, int]) -> dict[str, TensorSpec]:
+        """Tensor name -> spec of the official storage of every tensor (§4.2, §4.3)."""
+        br, bc = block
+        out = dict(self.tensors)
+        for p, s in self.linears.items():
+            if s.storage == "fp8":
+                out[f"{p}.weight"] = TensorSpec((s.out, s.in_), "F8_E4M3")
+                out[f"{p}.scale"] = TensorSpec((math.ceil(s.out / br), math.ceil(s.in_ / bc)), "F8_E8M0")
+            elif s.storage == "fp4":
+                out[f"{p}.weight"] = TensorSpec((s.out, s.in_ // 2), "I8")
+                out[f"{p}.scale"] = TensorSpec((s.out, s.in_ // 32), "F8_E8M0")
+            else:
+                out[f"{p}.weight"] = TensorSpec((s.out, s.in_), "BF16")
+        for p, t in self.tables.items():
+            out[f"{p}.weight"] = TensorSpec((t.rows, t.width), "F8_E4M3")
+            out[f"{p}.scale"] = TensorSpec((t.rows, t.width // 32), "F8_E8M0")
+        return out
+
+
+_VISION_DEFAULTS = {"vision_dim": 1024, "vision_inter_dim": 2816, "vision_patch_size": 14,
+                    "vision_downsample_ratio": 3}  # §2.1
+_HF_VISION_KEYS = {"hidden_size": "vision_dim", "intermediate_size": "vision_inter_dim",
+                   "patch_size": "vision_patch_size", "downsample_ratio": "vision_downsample_ratio"}
+
+
+def _vision_dims(raw: dict) -> dict:
+    d = dict(_VISION_DEFAULTS)
+    flat = raw.get("text_config", {}) | raw if isinstance(raw.get("text_config"), dict) else raw
+    d.update({k: flat[k] for k in _VISION_DEFAULTS if k in flat})
+    for hk, k in _HF_VISION_KEYS.items():
+        if isinstance(raw.get("vision_config"), dict) and hk in raw["vision_config"]:
+            d[k] = raw["vision_config"][hk]
+    return d
+
+
+def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inventory:
+    """Every tensor of the official checkpoint for ``cfg`` (dsv41-architecture.md §4.2, §4.3)."""
+    d, hc = cfg.dim, cfg.hc_mult
+    lin: dict[str, LinearSpec] = {}
+    ten: dict[str, TensorSpec] = {}
+    tab: dict[str, TableSpec] = {}
+
+    def block(p: str, L: int, backbone: bool):
+        for hc_name in ("attn", "ffn"):
+            ten[f"{p}.hc_{hc_name}_fn"] = TensorSpec((cfg.mix_hc, hc * d), "F32")
+            ten[f"{p}.hc_{hc_name}_base"] = TensorSpec((cfg.mix_hc,), "F32")
+            ten[f"{p}.hc_{hc_name}_scale"] = TensorSpec((3,), "F32")
+        ten[f"{p}.attn_norm.weight"] = TensorSpec((d,), "BF16")
+        ten[f"{p}.ffn_norm.weight"] = TensorSpec((d,), "BF16")
+        a = f"{p}.attn"
+        ten[f"{a}.attn_sink"] = TensorSpec((cfg.n_heads,), "F32")
+        hd_all = cfg.n_heads * cfg.head_dim
+        lin[f"{a}.wq_a"] = LinearSpec(cfg.q_lora_rank, d, "fp8")
+        ten[f"{a}.q_norm.weight"] = TensorSpec((cfg.q_lora_rank,), "BF16")
+        lin[f"{a}.wq_b"] = LinearSpec(hd_all, cfg.q_lora_rank, "fp8")
+        lin[f"{a}.wkv"] = LinearSpec(cfg.head_dim, d, "fp8")
+        ten[f"{a}.kv_norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
+        lin[f"{a}.wo_a"] = LinearSpec(cfg.o_groups * cfg.o_lora_rank, hd_all // cfg.o_groups, "fp8")
+        lin[f"{a}.wo_b"] = LinearSpec(d, cfg.o_groups * cfg.o_lora_rank, "fp8")
+        if backbone and cfg.is_kv_source(L):
+            lin[f"{a}.compressor.wkv"] = LinearSpec(cfg.head_dim, d, "bf16")
+            if cfg.ratio(L) == 2:
+                lin[f"{a}.compressor.wgate"] = LinearSpec(cfg.head_dim, d, "bf16")
+            ten[f"{a}.compressor.norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
+            lin[f"{a}.indexer.wk"] = LinearSpec(cfg.index_head_dim, cfg.head_dim, "bf16")
+            ten[f"{a}.indexer.k_norm.weight"] = TensorSpec((cfg.index_head_dim,), "BF16")
+        if backbone and cfg.is_index_source(L):
+            lin[f"{a}.indexer.wq_b"] = LinearSpec(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, "fp8")
+            lin[f"{a}.indexer.weights_proj"] = LinearSpec(cfg.index_n_heads, d, "bf16")
+        f = f"{p}.ffn"
+        n_exp, _ = cfg.moe_experts(L)
+        lin[f"{f}.gate"] = LinearSpec(n_exp, d, "bf16")
+        ten[f"{f}.gate.bias"] = TensorSpec((n_exp,), "F32")
+        ten[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
+        inter = cfg.moe_inter_dim
+        for e in range(n_exp):
+            lin[f"{f}.experts.{e}.w1"] = LinearSpec(inter, d, "fp4")
+            lin[f"{f}.experts.{e}.w3"] = LinearSpec(inter, d, "fp4")
+            lin[f"{f}.experts.{e}.w2"] = LinearSpec(d, inter, "fp4")
+        sh = inter * cfg.n_shared_experts
+        lin[f"{f}.shared_experts.w1"] = LinearSpec(sh, d, "fp8")
+        lin[f"{f}.shared_experts.w3"] = LinearSpec(sh, d, "fp8")
+        lin[f"{f}.shared_experts.w2"] = LinearSpec(d, sh, "fp8")
+        if backbone and L in cfg.engram_layer_ids:
+            e_ = f"{p}.engram"
+            rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(L)]
+            tab[f"{e_}.embed"] = TableSpec(rows, cfg.engram_head_dim)
+            n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            lin[f"{e_}.wkv"] = LinearSpec(d * (hc + 1), n_cols * cfg.engram_head_dim, "fp8")
+            ten[f"{e_}.q_weight"] = TensorSpec((hc, d), "BF16")
+            ten[f"{e_}.k_weight"] = TensorSpec((hc, d), "BF16")
+
+    for L in range(cfg.n_layers):
+        block(f"layers.{L}", L, True)
+    for S in range(cfg.n_mtp_layers):
+        block(f"mtp.{S}", cfg.n_layers + S, False)
+    if cfg.n_mtp_layers:  # DSpark extras (§4.3, §15)
+        lin["mtp.0.main_proj"] = LinearSpec(d, d * len(cfg.dspark_target_layer_ids), "fp8")
+        ten["mtp.0.main_norm.weight"] = TensorSpec((d,), "BF16")
+        last, r = f"mtp.{cfg.n_mtp_layers - 1}", cfg.dspark_markov_rank
+        ten[f"{last}.norm.weight"] = TensorSpec((d,), "BF16")
+        lin[f"{last}.markov_head.embed"] = LinearSpec(cfg.vocab_size, r, "bf16")
+        lin[f"{last}.markov_head.head"] = LinearSpec(cfg.vocab_size, r, "bf16")
+        lin[f"{last}.confidence_head.proj"] = LinearSpec(1, d + r, "bf16")
+    ten["embed.weight"] = TensorSpec((cfg.vocab_size, d), "BF16")
+    lin["head"] = LinearSpec(cfg.vocab_size, d, "bf16")
+    ten["norm.weight"] = TensorSpec((d,), "BF16")
+    if cfg.vision_n_layers:
+        v = _vision_dims(raw_config or {})
+        vd, vi, ps, ds = v["vision_dim"], v["vision_inter_dim"], v["vision_patch_size"], v["vision_downsample_ratio"]
+        lin["vision.patch_embed.proj"] = LinearSpec(vd, 3 * ps * ps, "bf16")
+        ten["vision.patch_embed.proj.bias"] = TensorSpec((vd,), "BF16")
+        for n in range(cfg.vision_n_layers):
+            b = f"vision.blocks.{n}"
+            ten[f"{b}.norm1.weight"] = TensorSpec((vd,), "BF16")
+            ten[f"{b}.norm2.weight"] = TensorSpec((vd,), "BF16")
+            lin[f"{b}.attn.wqkv"] = LinearSpec(3 * vd, vd, "bf16")
+            ten[f"{b}.attn.wqkv.bias"] = TensorSpec((3 * vd,), "BF16")
+            lin[f"{b}.attn.wo"] = LinearSpec(vd, vd, "bf16")
+            ten[f"{b}.attn.wo.bias"] = TensorSpec((vd,), "BF16")
+            lin[f"{b}.mlp.w1"] = LinearSpec(2 * vi, vd, "bf16")
+            lin[f"{b}.mlp.w2"] = LinearSpec(vd, vi, "bf16")
+        ten["vision.norm.weight"] = TensorSpec((vd,), "BF16")
+        lin["aligner.w1"] = LinearSpec(d, vd * ds * ds, "bf16")
+        ten["aligner.w1.bias"] = TensorSpec((d,), "BF16")
+        lin["aligner.w2"] = LinearSpec(d, d, "bf16")
+        ten["aligner.w2.bias"] = TensorSpec((d,), "BF16")
+        for n in ("image_start", "image_end", "image_newline"):
+            ten[n] = TensorSpec((d,), "BF16")
+    return Inventory(lin, ten, tab)
+
+
+def engram_prime_rows(cfg: ModelConfig) -> list[int]:
+    """Rows of each Engram table = the sum of its layer's primes (dsv41-architecture.md §8.2)."""
+    from sympy import nextprime
+
+    used: set[int] = set()
+    rows = []
+    for _ in cfg.engram_layer_ids:
+        total = 0
+        for _n in range(2, cfg.engram_max_ngram_size + 1):
+            cur = cfg.engram_vocab_size - 1
+            for _h in range(cfg.engram_n_heads):
+                cur = nextprime(cur)
+                while cur in used:
+                    cur = nextprime(cur)
+                used.add(cur)
+                total += cur
+        rows.append(total)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One folder of safetensors shards
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    begin: int  # absolute byte offsets of the data in the file
+    end: int
+
+    @property
+    def header(self) -> F.Header:
+        return F.Header(self.dtype, self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict, list[str]]:
+    """Parse a safetensors header (8-byte LE length, JSON) and check it against the file size (§19)."""
+    problems: list[str] = []
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            return {}, {}, [f"{path.name}: truncated file ({size} bytes, no header)"]
+        n = struct.unpack("<Q", raw)[0]
+        if 8 + n > size:
+            return {}, {}, [f"{path.name}: truncated file (header says {n} bytes, file has {size})"]
+        try:
+            hdr = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return {}, {}, [f"{path.name}: unreadable header JSON ({e})"]
+    meta = hdr.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, h in hdr.items():
+        try:
+            dtype, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{path.name}: malformed header entry for {name}")
+            continue
+        nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
+        if dtype not in _DTYPE_BYTES:
+            problems.append(f"{name} ({path.name}): unknown dtype {dtype}")
+        elif e - b != nbytes:
+            problems.append(f"{name} ({path.name}): {e - b} data bytes for {dtype} {list(shape)} ({nbytes} expected)")
+        data_end = max(data_end, e)
+        infos[name] = TensorInfo(name, dtype, shape, path, 8 + n + b, 8 + n + e)
+    if 8 + n + data_end > size:
+        problems.append(f"{path.name}: truncated file ({size} bytes, tensors need {8 + n + data_end})")
+    return infos, meta, problems
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _Folder:
+    """The shards of one folder: inventory from the index if present, else the union of shard headers."""
+
+    def __init__(self, folder: Path, role: str):
+        self.dir, self.role = folder, role
+        self.problems: list[str] = []
+        self.infos: dict[str, TensorInfo] = {}
+        self.index_sha256: str | None = None
+        self._handles: dict[Path, object] = {}
+        if not folder.is_dir():
+            self.problems.append(f"{role} folder {folder} does not exist")
+            return
+        index = folder / INDEX_NAME
+        declared: dict[str, str] | None = None
+        if index.exists():
+            self.index_sha256 = _sha256_file(index)
+            try:
+                declared = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                self.problems.append(f"{index}: no readable weight_map ({e})")
+        files = sorted(set(declared.values())) if declared else sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            self.problems.append(f"{role} folder {folder} holds no safetensors shards")
+        for fn in files:
+            path = folder / fn
+            if not path.exists():
+                self.problems.append(f"{INDEX_NAME} names shard {fn}, which does not exist in {folder}")
+                continue
+            infos, _, probs = read_header(path)
+            self.problems += probs
+            for name, info in infos.items():
+                if name in self.infos:
+                    self.problems.append(f"{name}: in both {self.infos[name].file.name} and {fn}")
+                elif declared is not None and declared.get(name) != fn:
+                    self.problems.append(f"{name}: in shard {fn} but the index maps it to {declared.get(name)}")
+                else:
+                    self.infos[name] = info
+        if declared:
+            for name, fn in declared.items():
+                if name not in self.infos and (folder / fn).exists():
+                    self.problems.append(f"{name}: listed in {INDEX_NAME} but absent from shard {fn}")
+
+    def read(self, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
+        """Lazy read of one tensor (or a row range) through safetensors; 1-byte float formats as uint8."""
+        h = self._handles.get(info.file)
+        if h is None:
+            h = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        t = h.get_tensor(info.name) if rows is None else h.get_slice(info.name)[rows]
+        return t.view(torch.uint8) if info.dtype.startswith("F8_") else t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# exl3_moe_plan.json (weight-formats.md §2.5: layout unspecified, parse tolerantly, validate against shapes)
+
+
+def parse_moe_plan(obj) -> dict[int, list[int]]:
+    """Layer -> per-expert K digits. Accepts {"layers": {...}} or a flat mapping; layer keys like "3",
+    "layers.3" or "model.layers.3"; values a digit string or a list of ints. Non-layer metadata keys
+    (with non-string/list values or non-layer names) are ignored."""
+    body = obj.get("layers", obj) if isinstance(obj, dict) else None
+    if isinstance(body, list):
+        body = dict(enumerate(body))
+    if not isinstance(body, dict):
+        raise ValueError("plan is neither a mapping nor a list of per-layer digit strings")
+    plan: dict[int, list[int]] = {}
+    for key, val in body.items():
+        m = re.fullmatch(r"(?:(?:model\.)?layers\.)?(\d+)", str(key))
+        if m is None:
+            if isinstance(val, (str, list)):
+                raise ValueError(f"plan key {key!r} is not a layer id")
+            continue  # metadata such as {"version": 1}
+        if isinstance(val, str) and val.isdigit():
+            digits = [int(c) for c in val]
+        elif isinstance(val, list) and all(isinstance(v, int) for v in val):
+            digits = list(val)
+        else:
+            raise ValueError(f"plan entry {key!r} is not a digit string or a list of ints")
+        plan[int(m.group(1))] = digits
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The composed build
+
+
+class Checkpoint:
+    """The official checkpoint, optionally with a pack layered over it (weight-formats.md §2.4)."""
+
+    def __init__(self, checkpoint_dir, pack_dir=None, *, fp8_block: tuple[int, int] | None = None):
+        self.dir = Path(checkpoint_dir)
+        self.pack_dir = Path(pack_dir) if pack_dir is not None else None
+        where = f"checkpoint {self.dir}" + (f" + pack {self.pack_dir}" if self.pack_dir else "")
+        cfg_path = self.dir / "config.json"
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+            self.model_config = ModelConfig.from_dict(self.config)
+        except (OSError, json.JSONDecodeError, ValueError, TypeError) as e:
+            raise CheckpointError(where, [f"{cfg_path}: {e}"]) from e
+        self._config_sha256 = _sha256_file(cfg_path)
+        qc = self.config.get("quantization_config") or {}
+        block = fp8_block or qc.get("weight_block_size")
+        problems: list[str] = []
+        if block is None:
+            problems.append("config.json has no quantization_config.weight_block_size (and no fp8_block given)")
+            block = (32, 32)
+        self.fp8_block = tuple(int(b) for b in block)
+        self.inventory = expected_inventory(self.model_config, self.config)
+        self._official = _Folder(self.dir, "official")
+        problems += self._official.problems
+        self._pack = _Folder(self.pack_dir, "pack") if self.pack_dir else None
+        self.pack_config: dict | None = None
+        self._pack_config_sha256 = self._plan_sha256 = None
+        # resolution: linear prefix -> (folder, format); tensor name -> folder
+        self._linears: dict[str, tuple[_Folder, F.LinearFormat]] = {}
+        self._tensors: dict[str, _Folder] = {}
+        if not self._official.problems:
+            problems += self._validate_official()
+        if self._pack is not None:
+            problems += self._pack.problems
+            if not self._pack.problems and not self._official.problems:
+                problems += self._compose_pack()
+        if problems:
+            raise CheckpointError(where, problems)
+        self._loaded: dict[str, str] = {}  # tensor name -> sha256 of the bytes read
+        self._rows_read: dict[str, dict[int, str]] = {}  # table -> row -> sha256
+
+    # ---- validation ----------------------------------------------------------------------------------
+
+    def _validate_official(self) -> list[str]:
+        inv, infos, problems = self.inventory, self._official.infos, []
+        claimed: set[str] = set()
+        for p, spec in inv.linears.items():
+            # gate.bias / vision biases are tensors of their own (rule 3), not a linear's bias
+            hdrs = {n: infos[n].header for n in F.linear_tensor_names(p) if n in infos and n not in inv.tensors}
+            claimed |= hdrs.keys()
+            want = {"fp8": "fp8", "fp4": "mxfp4", "bf16": "plain"}[spec.storage]
+            if not hdrs:
+                problems.append(f"missing: {p}.weight" + ("" if spec.storage == "bf16" else f", {p}.scale"))
+                continue
+            try:
+                fmt = F.detect_linear_format(p, hdrs, self.fp8_block)
+            except F.FormatError as e:
+                problems.append(str(e))
+                continue
+            shape_ok = (fmt.out, fmt.in_) == (spec.out, spec.in_)
+            if fmt.kind != want or (want == "plain" and fmt.extra["dtype"] != "BF16"):
+                got = fmt.describe()
+                problems.append(f"{p}: stored as {got.get('dtype', got['format'])}, the release stores it as "
+                                f"{spec.storage} (wrong dtype)")
+            elif not shape_ok:
+                problems.append(f"{p}.weight: logical shape {[fmt.out, fmt.in_]}, config expects {[spec.out, spec.in_]}")
+            elif fmt.kind == "fp8" and (fmt.block.rule != "config" or (fmt.block.rows, fmt.block.cols) != self.fp8_block):
+                problems.append(f"{p}.scale: grid {list(infos[fmt.tensors['scale']].shape)} implies "
+                                f"{fmt.block.rows}x{fmt.block.cols} blocks, config weight_block_size is "
+                                f"{list(self.fp8_block)} (§4.3)")
+            else:
+                self._linears[p] = (self._official, fmt)
+        for name, spec in inv.tensors.items():
+            claimed.add(name)
+            problems += _check_tensor(name, infos.get(name), spec)
+            self._tensors[name] = self._official
+        prime_rows = engram_prime_rows(self.model_config) if inv.tables else []
+        for (p, spec), rows in zip(inv.tables.items(), prime_rows):
+            if spec.rows != rows:
+                problems.append(f"{p}: config engram_num_embeddings {spec.rows} != sum of primes {rows} (§8.2)")
+            for n, ts in ((f"{p}.weight", TensorSpec((spec.rows, spec.width), "F8_E4M3")),
+                          (f"{p}.scale", TensorSpec((spec.rows, spec.width // 32), "F8_E8M0"))):
+                claimed.add(n)
+                problems += _check_tensor(n, infos.get(n), ts)
+                self._tensors[n] = self._official
+        ignorable = re.compile(r"mtp\.\d+\.(embed|head)\.weight")  # tied to the backbone (§19)
+        for name in sorted(set(infos) - claimed):
+            if not ignorable.fullmatch(name):
+                problems.append(f"extra: {name} ({infos[name].dtype} {list(infos[name].shape)}) is not in the "
+                                f"inventory of the configuration")
+        return problems
+
+    def _compose_pack(self) -> list[str]:
+        """Apply 'each build's own tensors, everything else official' (weight-formats.md §2.4)."""
+        pack, inv, problems = self._pack, self.inventory, []
+        cfg_path = self.pack_dir / "config.json"
+        if cfg_path.exists():
+            try:
+                self.pack_config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                problems.append(f"{cfg_path}: {e}")
+            self._pack_config_sha256 = _sha256_file(cfg_path)
+        pqc = (self.pack_config or {}).get("quantization_config") or {}
+        pack_block = (pqc.get("non_routed_quantization") or {}).get("weight_block_size") or self.fp8_block
+        pack_block = tuple(int(b) for b in pack_block)
+        groups: dict[str, dict[str, F.Header]] = {}
+        table_names = {f"{p}.{s}" for p in inv.tables for s in ("weight", "scale")}
+        for name, info in pack.infos.items():
+            if name.endswith(F.BLOCK_SUFFIXES):
+                p = name[:-len("_blocks")]
+            else:
+                p, _, suffix = name.rpartition(".")
+                p = p if suffix in F.LINEAR_SUFFIXES else ""
+            if p in inv.linears and name not in inv.tensors:
+                groups.setdefault(p, {})[name] = info.header
+            elif name in inv.tensors or name in table_names:
+                off = self._official.infos[name]
+                if info.shape != off.shape:
+                    problems.append(f"pack {name}: shape {list(info.shape)} != official {list(off.shape)}")
+                elif info.dtype != off.dtype and not (info.dtype in _FLOAT_DTYPES and off.dtype in _FLOAT_DTYPES):
+                    problems.append(f"pack {name}: dtype {info.dtype} cannot replace official {off.dtype}")
+                else:
+                    self._tensors[name] = pack
+            else:
+                problems.append(f"pack {name}: has no official counterpart")
+        for p, hdrs in sorted(groups.items()):
+            spec = inv.linears[p]
+            try:
+                fmt = F.detect_linear_format(p, hdrs, pack_block)
+            except F.FormatError as e:
+                problems.append(f"pack {e}")
+                continue
+            if (fmt.out, fmt.in_) != (spec.out, spec.in_):
+                problems.append(f"pack {p}: logical shape {[fmt.out, fmt.in_]} != official {[spec.out, spec.in_]}")
+                continue
+            if fmt.kind == "fp8" and fmt.block.rule != "config":
+                problems.append(f"pack {p}: FP8 scale grid implies {fmt.block.rows}x{fmt.block.cols} blocks, "
+                                f"pack block size is {list(pack_block)}")
+                continue
+            if fmt.kind == "exl3":
+                for m, value in (("mcg", F.MCG_MARKER), ("mul1", F.MUL1_MARKER)):
+                    if m in fmt.tensors:
+                        got = int(pack.read(pack.infos[fmt.tensors[m]]).reshape(-1)[0])
+                        if got != value:
+                            problems.append(f"pack {p}.{m}: marker value {got} != {value} (§7.1)")
+            self._linears[p] = (pack, fmt)
+        problems += self._check_plan()
+        return problems
+
+    def _check_plan(self) -> list[str]:
+        plan_path = self.pack_dir / PLAN_NAME
+        exl3_experts = {p: fmt for p, (src, fmt) in self._linears.items()
+                        if src is self._pack and fmt.kind == "exl3" and ".ffn.experts." in p and p.startswith("layers.")}
+        if not plan_path.exists():
+            return []
+        self._plan_sha256 = _sha256_file(plan_path)
+        try:
+            plan = parse_moe_plan(json.loads(plan_path.read_text()))
+        except (json.JSONDecodeError, ValueError) as e:
+            return [f"{plan_path}: {e}"]
+        problems = []
+        covered = set()
+        for L, digits in sorted(plan.items()):
+            n_exp = self.model_config.moe_experts(L)[0] if L < self.model_config.n_layers else None
+            if n_exp is None:
+                problems.append(f"{PLAN_NAME}: layer {L} is not a routed-MoE backbone layer")
+                continue
+            if len(digits) != n_exp:
+                problems.append(f"{PLAN_NAME}: layer {L} has {len(digits)} digits, the layer has {n_exp} experts")
+            for e, k in enumerate(digits[:n_exp]):
+                prefixes = [f"layers.{L}.ffn.experts.{e}.{w}" for w in ("w1", "w2", "w3")]
+                found = [p for p in prefixes if p in exl3_experts]
+                covered |= set(found)
+                if not found:
+                    problems.append(f"{PLAN_NAME}: layer {L} expert {e} planned at K={k}, but the pack has no "
+                                    f"EXL3 tensors for it")
+                for p in found:
+                    if exl3_experts[p].k2 != 2 * k:
+                        problems.append(f"{PLAN_NAME}: layer {L} expert {e} planned at K={k}, {p}.trellis has "
+                                        f"K={exl3_experts[p].k2 / 2} (width {16 * exl3_experts[p].k2 // 2})")
+        for p in sorted(set(exl3_experts) - covered):
+            problems.append(f"{PLAN_NAME}: EXL3 expert {p} is not covered by the plan")
+        return problems
+
+    # ---- inventory --------------------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor of the composed build (pack tensors replace their official counterparts)."""
+        names = set(self._tensors)
+        for p, (_, fmt) in self._linears.items():
+            names |= set(fmt.tensors.values())
+        return sorted(names)
+
+    def linear_prefixes(self) -> list[str]:
+        return sorted(self._linears)
+
+    def format_of(self, prefix: str) -> F.LinearFormat:
+        return self._linears[prefix][1]
+
+    def source_of(self, prefix_or_name: str) -> str:
+        src = self._linears[prefix_or_name][0] if prefix_or_name in self._linears else self._tensors[prefix_or_name]
+        return src.role
+
+    def manifest(self) -> dict:
+        """Per linear prefix: source, file, format (and K / codebook for EXL3); per other tensor: source
+        (weight-formats.md §2.4 rule 6)."""
+        lin = {}
+        for p, (src, fmt) in sorted(self._linears.items()):
+            first = src.infos[next(iter(fmt.tensors.values()))]
+            lin[p] = {"source": src.role, "file": first.file.name, **fmt.describe()}
+        ten = {n: {"source": src.role, "file": src.infos[n].file.name} for n, src in sorted(self._tensors.items())}
+        return {"linears": lin, "tensors": ten}
+
+    # ---- reading ----------------------------------------------------------------------------------------
+
+    def _read(self, src: _Folder, name: str) -> torch.Tensor:
+        t = src.read(src.infos[name])
+        self._loaded[name] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        return t
+
+    def load_linear(self, prefix: str) -> torch.Tensor:
+        """Exact fp32 ``[out, in]`` of one linear, whatever its format."""
+        try:
+            src, fmt = self._linears[prefix]
+        except KeyError:
+            raise KeyError(f"{prefix!r} is not a linear of this build") from None
+        raw = {role: self._read(src, name) for role, name in fmt.tensors.items()}
+        try:
+            w = F.decode_linear(fmt, raw)
+        except F.FormatError as e:
+            raise CheckpointError(f"{src.role} {prefix}", [str(e)]) from e
+        _check_finite(prefix, w, src)
+        return w
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        """Exact fp32 copy of one non-linear tensor (norms, hc parameters, embed, ...)."""
+        if name.endswith(".weight") and name[:-7] in self.inventory.tables:
+            return self.load_table(name[:-7])
+        try:
+            src = self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a non-linear tensor of this build") from None
+        t = self._read(src, name).to(torch.float32)
+        _check_finite(name, t, src)
+        return t
+
+    def load_table(self, prefix: str) -> torch.Tensor:
+        """A whole Engram table in fp32 (tiny checkpoints; use ``engram_rows`` for real ones)."""
+        w, s = (self._read(self._tensors[f"{prefix}.{n}"], f"{prefix}.{n}") for n in ("weight", "scale"))
+        t = F.engram_rows_dequant(w, s)
+        _check_finite(prefix, t, self._tensors[f"{prefix}.weight"])
+        return t
+
+    def engram_rows(self, layer: int | str, rows) -> torch.Tensor:
+        """fp32 rows ``[n, width]`` of an Engram table, reading only those rows (§6: ~98 GB tables)."""
+        prefix = f"layers.{layer}.engram.embed" if isinstance(layer, int) else layer
+        if prefix not in self.inventory.tables:
+            raise KeyError(f"{prefix!r} is not an Engram table")
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        n_rows = self.inventory.tables[prefix].rows
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
+            raise IndexError(f"{prefix}: row ids must lie in [0, {n_rows}), got [{int(rows.min())}, {int(rows.max())}]")
+        uniq = torch.unique(rows)
+        ws, ss = self._tensors[f"{prefix}.weight"], self._tensors[f"{prefix}.scale"]
+        got_w, got_s = [], []
+        seen = self._rows_read.setdefault(prefix, {})
+        for r in uniq.tolist():  # one lazy slice per distinct row
+            w = ws.read(ws.infos[f"{prefix}.weight"], slice(r, r + 1))
+            s = ss.read(ss.infos[f"{prefix}.scale"], slice(r, r + 1))
+            seen[r] = hashlib.sha256(w.numpy().tobytes() + s.numpy().tobytes()).hexdigest()
+            got_w.append(w)
+            got_s.append(s)
+        if not got_w:
+            return torch.empty(0, self.inventory.tables[prefix].width)
+        table = F.engram_rows_dequant(torch.cat(got_w), torch.cat(got_s))
+        _check_finite(prefix, table, ws)
+        return table[torch.searchsorted(uniq, rows.reshape(-1))].reshape(*rows.shape, -1)
+
+    def _entries(self, prefix: str, experts: bool, tables: bool) -> dict[str, tuple[str, str]]:
+        """Relative name -> (kind, full name) of everything under ``prefix``."""
+        pre = prefix + "." if prefix else ""
+        out = {}
+        for p in self._linears:
+            if p.startswith(pre) and (experts or ".ffn.experts." not in "." + p):
+                out[p[len(pre):] + ".weight"] = ("linear", p)
+        for n in self._tensors:
+            if n.startswith(pre):
+                tab = n.rsplit(".", 1)[0]
+                if tab in self.inventory.tables:
+                    if tables and n.endswith(".weight"):
+                        out[n[len(pre):]] = ("table", tab)
+                else:
+                    out[n[len(pre):]] = ("tensor", n)
+        return out
+
+    def _load_entry(self, kind: str, name: str) -> torch.Tensor:
+        return {"linear": self.load_linear, "table": self.load_table, "tensor": self.load_tensor}[kind](name)
+
+    def load_fp32(self, prefix: str, *, experts: bool = True, tables: bool = True) -> dict[str, torch.Tensor]:
+        """Exact fp32 weights of everything under ``prefix`` (a layer, ``mtp.S``, or a module), with names
+        relative to ``prefix.``; linears appear as ``<rel>.weight`` in ``[out, in]`` whatever their format.
+        ``experts=False`` skips routed experts and ``tables=False`` the Engram tables (real-size loads:
+        use ``load_expert`` / ``engram_rows`` / ``lazy``)."""
+        entries = self._entries(prefix, experts, tables)
+        if not entries:
+            raise KeyError(f"no tensors under {prefix!r}")
+        return {rel: self._load_entry(kind, name) for rel, (kind, name) in sorted(entries.items())}
+
+    def load_layer(self, layer: int, **kw) -> dict[str, torch.Tensor]:
+        """``load_fp32("layers.{layer}")``: names relative to ``layers.{layer}.``."""
+        return self.load_fp32(f"layers.{layer}", **kw)
+
+    def load_mtp(self, stage: int, **kw) -> dict[str, torch.Tensor]:
+        return self.load_fp32(f"mtp.{stage}", **kw)
+
+    def load_top(self, *, vision: bool = False) -> dict[str, torch.Tensor]:
+        """Top-level tensors (``embed.weight``, ``head.weight``, ``norm.weight``; vision/aligner on request)."""
+        skip = ("layers.", "mtp.") + (() if vision else ("vision.", "aligner.", "image_"))
+        return {rel: self._load_entry(kind, name) for rel, (kind, name) in sorted(self._entries("", True, True).items())
+                if not rel.startswith(skip)}
+
+    def load_expert(self, layer: int | str, expert: int) -> dict[str, torch.Tensor]:
+        """``{"w1": .., "w2": .., "w3": ..}`` fp32 of one routed expert (``layer`` an int or ``"mtp.S"``)."""
+        base = f"layers.{layer}" if isinstance(layer, int) else layer
+        return {w: self.load_linear(f"{base}.ffn.experts.{expert}.{w}") for w in ("w1", "w2", "w3")}
+
+    def lazy(self, prefix: str) -> "LazyWeights":
+        """A read-only Mapping of the same names as ``load_fp32(prefix)`` that decodes on first access."""
+        return LazyWeights(self, prefix)
+
+    def check_values(self) -> None:
+        """Read every tensor of the build and raise one CheckpointError listing every non-finite one."""
+        problems = []
+        for rel, (kind, name) in sorted(self._entries("", True, True).items()):
+            try:
+                self._load_entry(kind, name)
+            except CheckpointError as e:
+                problems += e.problems
+        if problems:
+            raise CheckpointError(f"checkpoint {self.dir}", problems)
+
+    # ---- provenance ---------------------------------------------------------------------------------------
+
+    def provenance(self) -> dict:
+        """What this build is and exactly what has been read from it so far (weight-formats.md §2.4 rule 6)."""
+        def folder(f: _Folder | None):
+            if f is None:
+                return None
+            files = sorted({i.file for i in f.infos.values()})
+            return {"dir": str(f.dir), "index_sha256": f.index_sha256,
+                    "shards": {p.name: p.stat().st_size for p in files}}
+
+        inventory = hashlib.sha256()
+        for name in self.tensor_names():
+            src = self._linears_src_of(name)
+            i = src.infos[name]
+            inventory.update(f"{name}|{src.role}|{i.file.name}|{i.dtype}|{list(i.shape)}|{i.begin}|{i.end}\n".encode())
+        manifest = self.manifest()
+        return {
+            "format": PROVENANCE_FORMAT,
+            "official": folder(self._official) | {"config_sha256": self._config_sha256},
+            "pack": None if self._pack is None else folder(self._pack) | {
+                "config_sha256": self._pack_config_sha256, "plan_sha256": self._plan_sha256},
+            "fp8_block": list(self.fp8_block),
+            "inventory_sha256": inventory.hexdigest(),
+            "manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
+            "pack_prefixes": sorted(p for p, v in manifest["linears"].items() if v["source"] == "pack")
+            + sorted(n for n, v in manifest["tensors"].items() if v["source"] == "pack"),
+            "loaded": dict(sorted(self._loaded.items())),
+            "engram_rows": {t: hashlib.sha256(json.dumps(sorted(r.items())).encode()).hexdigest()
+                            for t, r in sorted(self._rows_read.items())},
+        }
+
+    def _linears_src_of(self, name: str) -> _Folder:
+        if name in self._tensors:
+            return self._tensors[name]
+        p = name[:-len("_blocks")] if name.endswith(F.BLOCK_SUFFIXES) else name.rpartition(".")[0]
+        return self._linears[p][0]
+
+    def provenance_hash(self) -> str:
+        """SHA-256 of ``provenance()``: the build's identity plus the digest of every tensor read so far."""
+        return hashlib.sha256(json.dumps(self.provenance(), sort_keys=True).encode()).hexdigest()
+
+
+class LazyWeights(Mapping):
+    """Names as in ``Checkpoint.load_fp32(prefix)``; each value decoded on first access and cached."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str):
+        self._ck, self._entries = ckpt, ckpt._entries(prefix, True, True)
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, rel: str) -> torch.Tensor:
+        if rel not in self._cache:
+            kind, name = self._entries[rel]  # KeyError for unknown names, as a dict would
+            self._cache[rel] = self._ck._load_entry(kind, name)
+        return self._cache[rel]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def evict(self, names: Iterable[str] | None = None) -> None:
+        for n in list(self._cache) if names is None else names:
+            self._cache.pop(n, None)
+
+
+def _check_tensor(name: str, info: TensorInfo | None, spec: TensorSpec) -> list[str]:
+    if info is None:
+        return [f"missing: {name} ({spec.dtype} {list(spec.shape)})"]
+    out = []
+    if info.dtype != spec.dtype:
+        out.append(f"{name}: dtype {info.dtype}, expected {spec.dtype} (wrong dtype)")
+    if info.shape != spec.shape:
+        out.append(f"{name}: shape {list(info.shape)}, expected {list(spec.shape)} (wrong shape)")
+    return out
+
+
+def _check_finite(name: str, t: torch.Tensor, src: _Folder) -> None:
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        raise CheckpointError(f"{src.role} {src.dir}", [f"{name}: {int(bad.sum())} non-finite value(s) after exact "
+                                                         f"decode (first at {idx})"])
