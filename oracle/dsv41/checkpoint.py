@@ -346,7 +346,7 @@ def parse_moe_plan(obj) -> dict[int, list[int]]:
     """Layer -> per-expert K digits. Accepts {"layers": {...}} or a flat mapping; layer keys like "3",
     "layers.3" or "model.layers.3"; values a digit string or a list of ints. Non-layer metadata keys
     (with non-string/list values or non-layer names) are ignored."""
-    body = obj.get("layers", obj) if isinstance(obj, dict) else None
+    body = obj.get("layers", obj) if isinstance(obj, dict) else obj
     if isinstance(body, list):
         body = dict(enumerate(body))
     if not isinstance(body, dict):
@@ -752,8 +752,13 @@ class Checkpoint:
         return self._linears[p][0]
 
     def provenance_hash(self) -> str:
-        """SHA-256 of ``provenance()``: the build's identity plus the digest of every tensor read so far."""
-        return hashlib.sha256(json.dumps(self.provenance(), sort_keys=True).encode()).hexdigest()
+        """SHA-256 of ``provenance()`` without folder paths: the build's identity (config, index, plan, every
+        header) plus the digest of every tensor read so far, independent of where the folders live."""
+        prov = self.provenance()
+        for side in ("official", "pack"):
+            if prov[side] is not None:
+                prov[side] = {k: v for k, v in prov[side].items() if k != "dir"}
+        return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()
 
 
 class LazyWeights(Mapping):
