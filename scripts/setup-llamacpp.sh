@@ -23,8 +23,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then echo "$venv"; exit 0;
 
 mkdir -p "$cache/wheels" "$cache/venvs" "$cache/locks"
 exec 9>"$cache/locks/llama-cpp-python.lock"
-log "waiting for lock $cache/locks/llama-cpp-python.lock"
-flock 9
+if ! flock -n 9; then
+  log "another set-up holds $cache/locks/llama-cpp-python.lock; waiting"
+  flock 9
+fi
 # Another process may have finished while we waited.
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then echo "$venv"; exit 0; fi
 

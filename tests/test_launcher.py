@@ -428,12 +428,22 @@ def test_llamacpp_serves_echo_logprobs(profile: str, tol: float | None) -> None:
     assert group_members(pgid) == []
     assert toks["tokens"] == CANARY_IDS
     lp = resp["choices"][0]["logprobs"]
-    assert lp["tokens"][:5] == ["The", " capital", " of", " France", " is"]
-    assert lp["token_logprobs"][0] is None
-    paris = lp["top_logprobs"][5][" Paris"]
+    # llama-cpp-python 0.3.36 echo is shifted by one (abetlen/llama-cpp-python#1983, llama.py
+    # _create_completion pairs token i with the logits computed *after* token i): top_logprobs[i] is
+    # the distribution of position i+1, token_logprobs[i] is token i scored under it, the
+    # distribution of position 1 is lost, and the generated token is dropped. These asserts pin
+    # that behaviour so an upgrade that fixes it fails here and the adapter gets revisited.
+    assert lp["tokens"] == ["The", " capital", " of", " France", " is"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    top = lp["top_logprobs"]
+    best = [max(d, key=d.get) for d in top[1:]]
+    assert best == [" of", " the", " is", " Paris"]
+    paris = top[4][" Paris"]
     if tol is None:  # the quantized subject: the same answer, not the same numbers
-        assert lp["tokens"][5] == " Paris"
         assert -1.0 < paris < 0.0
+        assert top[1][" of"] == pytest.approx(-0.3376, abs=0.3)
     else:
-        assert lp["token_logprobs"][3] == pytest.approx(-2.4387, abs=tol)
-        assert paris == pytest.approx(-0.2581, abs=tol)
+        assert top[1][" of"] == pytest.approx(-0.3376, abs=tol)  # reference position 2
+        assert top[2][" France"] == pytest.approx(-2.4387, abs=tol)  # reference position 3
+        assert top[3][" is"] == pytest.approx(-0.4510, abs=tol)  # reference position 4
+        assert paris == pytest.approx(-0.2581, abs=tol)  # reference next token
