@@ -253,6 +253,9 @@ def split_topk(entries: dict[int, float], actual_id: int, k: int, seq_id: str | 
     if actual_id not in entries:
         raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual token {actual_id} is not among the entries",
                                   seq_id, position)
+    if ranks is not None and n == k and ranks[actual_id] > k:
+        raise EngineResponseError(Malformed.TOO_FEW_ENTRIES, f"{n} entries including the actual token at rank "
+                                  f"{ranks[actual_id]}: only {k - 1} of the top-{k}", seq_id, position)
     top = dict(entries)
     if n == k + 1:
         del top[actual_id]

@@ -1,0 +1,334 @@
+"""llama.cpp adapters: the C++ ``llama-server`` (id-keyed) and the llama-cpp-python server (string-keyed).
+
+**llama-server** (engines.md §5). Every entry carries its ``id``, but there are no prompt logprobs: prompt
+position i is scored by one request per prefix, ``POST /completion`` with ``prompt = ids[:i]``,
+``n_predict = 1``, ``n_probs = k``, temperature 0 and ``cache_prompt: false`` (prefix reuse moves values by
+~4e-4), reading the first generated position's pre-sampling ``top_logprobs``. The actual token is not
+appended to the list, so when it falls outside the top-k the same prefix is asked again with
+``n_probs = vocab_size`` (no cap on this server) to read its logprob and rank; without a known vocabulary
+size that case is an ``actual_missing`` error. Values ≤ −9999 (llama-server writes ``-FLT_MAX`` for
+probability 0) are −inf. ``tokens_evaluated`` must equal the prefix length (alignment self-check).
+
+**llama-cpp-python** (§6). Text prompts only, and no ids anywhere in the logprobs. For a token-id
+sequence the adapter detokenizes with ``/extras/detokenize``, re-tokenizes with ``/extras/tokenize``, and
+**refuses** (``TokenRoundTripError``, naming the first differing position) any sequence whose ids do not
+round-trip — scoring a different tokenization would silently misalign positions against the oracle.
+It then asks ``/v1/completions`` with ``echo: true, logprobs: k``; ``usage.prompt_tokens`` must equal the
+sequence length. The top dict is keyed by decoded string (+ the actual token's string): each string is
+mapped to ids with the engine's own ``/extras/tokenize`` (cached), and a position is marked *ambiguous*
+(rule 2) when a string does not map to exactly one id, two strings map to one id, the actual token's
+string does not map back to it, or the key count shows a collision (fewer than k keys, or k keys where
+the actual token is the smallest — rank k and "outside the top-k plus one lost key" look the same).
+Ambiguous positions keep their unambiguous entries and an actual rank of 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any, Sequence
+
+from engine.adapters.base import (
+    Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, logprob_value, need,
+    single_choice, token_id, usage_cached_tokens,
+)
+from engine.errors import EngineResponseError, Malformed, TokenRoundTripError, UnsupportedSurface
+
+COMPLETION = "/completion"
+
+
+# ============================================================================================== llama-server
+def prefix_request(prefix: Sequence[int], k: int) -> dict[str, Any]:
+    return {"prompt": list(prefix), "n_predict": 1, "n_probs": k, "temperature": 0, "cache_prompt": False,
+            "return_tokens": True, "post_sampling_probs": False}
+
+
+def _entry_list(lst: Any, what: str, seq_id: str | None, pos: int, vocab: int | None):
+    if not isinstance(lst, list):
+        raise EngineResponseError(Malformed.WRONG_TYPE, f"{what} is {type(lst).__name__}, expected a list", seq_id, pos)
+    ids: list[int] = []
+    lps: list[float] = []
+    seen: set[int] = set()
+    for j, e in enumerate(lst):
+        if isinstance(e, dict) and "prob" in e and "logprob" not in e:
+            raise EngineResponseError(Malformed.MISSING_FIELD, f"{what}[{j}] has 'prob' (post_sampling_probs) instead "
+                                      "of 'logprob'", seq_id, pos)
+        tid = token_id(need(e, "id", int, f"{what}[{j}]", seq_id=seq_id, position=pos), f"{what}[{j}].id", seq_id,
+                       pos, vocab)
+        lp = logprob_value(need(e, "logprob", float, f"{what}[{j}]", seq_id=seq_id, position=pos),
+                           f"{what}[{j}].logprob", seq_id, pos)
+        if tid in seen:
+            raise EngineResponseError(Malformed.DUPLICATE_ID, f"{what}: id {tid} appears twice", seq_id, pos)
+        if lps and lp > lps[-1] + 1e-9:
+            raise EngineResponseError(Malformed.RANK_ORDER, f"{what}[{j}] logprob {lp!r} above [{j - 1}] {lps[-1]!r}",
+                                      seq_id, pos)
+        seen.add(tid)
+        ids.append(tid)
+        lps.append(lp)
+    return ids, lps
+
+
+def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, model: str | None,
+                           seq_id: str | None, vocab: int | None, first_pos: int) -> list[tuple[int, float, list, list]]:
+    """Native ``/completion`` response → [(generated id, its logprob, top ids, top logprobs)] per generated token."""
+    if not isinstance(data, dict):
+        raise EngineResponseError(Malformed.WRONG_TYPE, f"response is {type(data).__name__}", seq_id, first_pos)
+    if model is not None:
+        check_model(data, model, seq_id)
+    ev = need(data, "tokens_evaluated", int, "response", seq_id=seq_id, position=first_pos)
+    if ev != n_prompt:
+        raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, f"engine evaluated {ev} prompt tokens, {n_prompt} sent",
+                                  seq_id, first_pos)
+    probs = data.get("completion_probabilities")
+    if probs is None:
+        raise EngineResponseError(Malformed.MISSING_LOGPROBS, "no completion_probabilities (n_probs not honoured?)",
+                                  seq_id, first_pos)
+    if not isinstance(probs, list) or len(probs) != n_expected:
+        got = len(probs) if isinstance(probs, list) else type(probs).__name__
+        raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"completion_probabilities has {got} entries, expected "
+                                  f"{n_expected}", seq_id, first_pos)
+    toks = data.get("tokens")
+    out = []
+    for j, p in enumerate(probs):
+        pos = first_pos + j
+        gid = token_id(need(p, "id", int, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
+                       "generated id", seq_id, pos, vocab)
+        glp = logprob_value(need(p, "logprob", float, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
+                            "generated token logprob", seq_id, pos)
+        ids, lps = _entry_list(need(p, "top_logprobs", list, f"completion_probabilities[{j}]", seq_id=seq_id,
+                                    position=pos), f"completion_probabilities[{j}].top_logprobs", seq_id, pos, vocab)
+        if len(ids) < k:
+            raise EngineResponseError(Malformed.TOO_FEW_ENTRIES, f"{len(ids)} top entries for n_probs={k}", seq_id, pos)
+        if len(ids) > k:
+            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(ids)} top entries for n_probs={k}", seq_id, pos)
+        if gid in ids and lps[ids.index(gid)] != glp:
+            raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"generated id {gid}: logprob {glp!r} but top entry "
+                                      f"{lps[ids.index(gid)]!r}", seq_id, pos)
+        out.append((gid, glp, ids, lps))
+    if isinstance(toks, list) and toks and [o[0] for o in out] != toks:
+        raise EngineResponseError(Malformed.GENERATED_MISMATCH, f"tokens {toks} but probability ids "
+                                  f"{[o[0] for o in out]}", seq_id, first_pos)
+    return out
+
+
+class LlamaServerAdapter:
+    name = "llama-server"
+    keyed_by = "id"
+    surface = "llama-server.completion.per-prefix"
+
+    def __init__(self, vocab_size: int | None = None, check_model_name: bool = True):
+        self.vocab_size = vocab_size
+        self.check_model_name = check_model_name
+
+    def _model(self, transport: Transport) -> str | None:
+        return transport.model if self.check_model_name else None
+
+    def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
+                        cache_salt: str | None = None) -> SequenceLogprobs:
+        ids = [int(t) for t in token_ids]
+        rows: list[PositionLogprobs] = []
+        timing = HttpTiming()
+        for i in range(1, len(ids)):
+            reply = transport.post_json(COMPLETION, prefix_request(ids[:i], k), seq_id=seq_id)
+            timing = timing + HttpTiming(1, reply.elapsed_s)
+            try:
+                (_, _, top_ids, top_lps), = parse_completion_probs(reply.data, i, 1, k, self._model(transport), seq_id,
+                                                                   self.vocab_size, i)
+            except EngineResponseError as exc:
+                raise exc.at(seq_id, reply.url) from None
+            actual = ids[i]
+            if actual in top_ids:
+                j = top_ids.index(actual)
+                rows.append(PositionLogprobs(i, actual, top_lps[j], j + 1, tuple(top_ids), tuple(top_lps)))
+                continue
+            lp, rank, extra = self._actual_from_full(transport, seq_id, ids[:i], actual, i)
+            timing = timing + extra
+            if lp > top_lps[-1] + 1e-6:
+                raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT,
+                                          f"actual id {actual} outside the top-{k} with logprob {lp!r} above the k-th "
+                                          f"{top_lps[-1]!r}", seq_id, i)
+            rows.append(PositionLogprobs(i, actual, lp, rank, tuple(top_ids), tuple(top_lps)))
+        return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "id", tuple(rows), timing, None)
+
+    def _actual_from_full(self, transport: Transport, seq_id: str, prefix: list[int], actual: int, pos: int):
+        if self.vocab_size is None:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING,
+                                      f"actual id {actual} is outside the top-k and llama-server does not append it; "
+                                      "give the adapter vocab_size to re-ask with n_probs = vocabulary", seq_id, pos)
+        reply = transport.post_json(COMPLETION, prefix_request(prefix, self.vocab_size), seq_id=seq_id)
+        try:
+            (_, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, self.vocab_size,
+                                                       self._model(transport), seq_id, self.vocab_size, pos)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        if actual not in ids:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual id {actual} absent from the full distribution",
+                                      seq_id, pos)
+        lp = lps[ids.index(actual)]
+        rank = 1 + sum(1 for x in lps if x > lp)
+        return lp, rank, HttpTiming(1, reply.elapsed_s)
+
+    def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+                 **_: Any) -> Generation:
+        prompt = [int(t) for t in prompt_ids]
+        body = {"prompt": prompt, "n_predict": max_tokens, "n_probs": k, "temperature": 0, "cache_prompt": False,
+                "return_tokens": True, "post_sampling_probs": False}
+        reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+        data = reply.data
+        try:
+            n = need(data, "tokens_predicted", int, "response", seq_id=seq_id)
+            got = parse_completion_probs(data, len(prompt), n, k, self._model(transport), seq_id, self.vocab_size,
+                                         len(prompt))
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        rows = []
+        for j, (gid, glp, ids, lps) in enumerate(got):
+            rank = ids.index(gid) + 1 if gid in ids else 0
+            rows.append(PositionLogprobs(len(prompt) + j, gid, glp, rank, tuple(ids), tuple(lps)))
+        return Generation(seq_id, tuple(prompt), tuple(r.actual_id for r in rows), tuple(rows), k,
+                          "llama-server.completion", data.get("content") or "", data.get("stop_type"),
+                          len(prompt), None, HttpTiming(1, reply.elapsed_s))
+
+
+# ============================================================================================== llama-cpp-python
+class LlamaCppPythonAdapter:
+    name = "llama-cpp-python"
+    keyed_by = "string"
+    surface = "llama-cpp-python.completions.echo"
+
+    def __init__(self, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
+        self._tok_cache: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- tokenizer endpoints
+    def tokenize(self, transport: Transport, text: str, seq_id: str | None = None) -> tuple[int, ...]:
+        with self._lock:
+            hit = self._tok_cache.get(text)
+        if hit is not None:
+            return hit
+        reply = transport.post_json("/extras/tokenize", {"input": text}, seq_id=seq_id)
+        toks = need(reply.data, "tokens", list, "/extras/tokenize response", seq_id=seq_id)
+        ids = tuple(token_id(t, "/extras/tokenize id", seq_id, None, self.vocab_size) for t in toks)
+        with self._lock:
+            self._tok_cache[text] = ids
+        return ids
+
+    def detokenize(self, transport: Transport, ids: Sequence[int], seq_id: str | None = None) -> str:
+        reply = transport.post_json("/extras/detokenize", {"tokens": [int(t) for t in ids]}, seq_id=seq_id)
+        return need(reply.data, "text", str, "/extras/detokenize response", seq_id=seq_id)
+
+    def text_for(self, transport: Transport, seq_id: str, ids: Sequence[int]) -> str:
+        """The text whose engine tokenization is exactly ``ids``; TokenRoundTripError otherwise."""
+        ids = [int(t) for t in ids]
+        text = self.detokenize(transport, ids, seq_id)
+        back = list(self.tokenize(transport, text, seq_id))
+        if back != ids:
+            first = next((i for i, (a, b) in enumerate(zip(ids, back)) if a != b), min(len(ids), len(back)))
+            raise TokenRoundTripError(seq_id, first, ids, back)
+        return text
+
+    # -------------------------------------------------------------- scoring
+    def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
+                        cache_salt: str | None = None) -> SequenceLogprobs:
+        ids = [int(t) for t in token_ids]
+        text = self.text_for(transport, seq_id, ids)
+        body = {"model": transport.model, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": True,
+                "logprobs": k}
+        reply = transport.post_json("/v1/completions", body, seq_id=seq_id)
+        try:
+            parsed = parse_echo(reply.data, ids, k, transport.model, seq_id)
+            rows = [self._map_position(transport, seq_id, i, ids[i], tok, lp, top, k) for (i, tok, lp, top) in parsed]
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "string", tuple(rows),
+                                HttpTiming(1, reply.elapsed_s), None)
+
+    def _map_position(self, transport: Transport, seq_id: str, i: int, actual: int, actual_str: str,
+                      actual_lp: float, top: dict[str, float], k: int) -> PositionLogprobs:
+        if actual_str not in top:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual token string {actual_str!r} is not a top key "
+                                      "(llama-cpp-python always adds it)", seq_id, i)
+        if top[actual_str] != actual_lp:
+            raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"actual token {actual_str!r}: token_logprobs "
+                                      f"{actual_lp!r}, top_logprobs {top[actual_str]!r}", seq_id, i)
+        ambiguous = False
+        if self.tokenize(transport, actual_str, seq_id) != (actual,):
+            ambiguous = True   # the actual token's string does not name it: its key may stand for another id
+        mapped: dict[int, float] = {}
+        for s, lp in top.items():
+            if s == actual_str:
+                continue
+            tids = self.tokenize(transport, s, seq_id)
+            if len(tids) != 1 or tids[0] == actual or tids[0] in mapped:
+                ambiguous = True
+                continue
+            mapped[tids[0]] = lp
+        n = len(top)
+        others = [lp for s, lp in top.items() if s != actual_str]
+        if n > k + 1:
+            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{n} keys, expected {k} or {k + 1}", seq_id, i)
+        if n == k + 1:
+            inside = False
+        elif n == k and others and actual_lp > min(others):
+            inside = True
+        elif n == k and not others:   # k == 1: the single key is the actual token
+            inside = True
+        else:
+            inside = False
+            ambiguous = True
+        entries = dict(mapped)
+        if inside:
+            entries[actual] = actual_lp
+        order = sorted(entries, key=lambda t: (-entries[t], t))[:k]
+        top_ids = tuple(order)
+        top_lps = tuple(entries[t] for t in order)
+        if not ambiguous and len(top_ids) != k:
+            ambiguous = True
+        rank = top_ids.index(actual) + 1 if (actual in top_ids and not ambiguous) else 0
+        return PositionLogprobs(i, actual, actual_lp, rank, top_ids, top_lps, ambiguous)
+
+    def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+                 **_: Any) -> Generation:
+        raise UnsupportedSurface("llama-cpp-python reports no token ids for generated positions (engines.md §6); "
+                                 "generate on llama-server or vLLM instead")
+
+
+def parse_echo(data: Any, ids: Sequence[int], k: int, model: str | None, seq_id: str | None):
+    """llama-cpp-python echo response → [(position, actual token string, actual logprob, top dict)] for 1..n-1."""
+    choice = single_choice(data, seq_id)
+    if model is not None:
+        check_model(data, model, seq_id)
+    prompt_tokens, _ = usage_cached_tokens(data.get("usage"), seq_id)
+    if prompt_tokens is None:
+        raise EngineResponseError(Malformed.MISSING_FIELD, "usage.prompt_tokens is absent (needed to align positions)",
+                                  seq_id)
+    if prompt_tokens != len(ids):
+        raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, f"engine tokenized the text into {prompt_tokens} "
+                                  f"tokens, the sequence has {len(ids)}", seq_id)
+    lp = choice.get("logprobs")
+    if lp is None:
+        raise EngineResponseError(Malformed.MISSING_LOGPROBS, "choices[0].logprobs is null", seq_id)
+    tokens = need(lp, "tokens", list, "logprobs", seq_id=seq_id)
+    tlp = need(lp, "token_logprobs", list, "logprobs", seq_id=seq_id)
+    top = need(lp, "top_logprobs", list, "logprobs", seq_id=seq_id)
+    if not (len(tokens) == len(tlp) == len(top)) or len(tokens) < len(ids):
+        raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"echo covers {len(tokens)} tokens / {len(tlp)} logprobs / "
+                                  f"{len(top)} top entries for {len(ids)} prompt tokens", seq_id)
+    if tlp[0] is not None or top[0] is not None:
+        raise EngineResponseError(Malformed.POSITION0_NOT_NULL, "echo entry 0 is not null", seq_id, 0)
+    out = []
+    for i in range(1, len(ids)):
+        if not isinstance(tokens[i], str):
+            raise EngineResponseError(Malformed.WRONG_TYPE, f"tokens[{i}] is {tokens[i]!r}", seq_id, i)
+        a = logprob_value(tlp[i], f"token_logprobs[{i}]", seq_id, i)
+        d = top[i]
+        if d is None:
+            raise EngineResponseError(Malformed.NULL_ENTRY, f"top_logprobs[{i}] is null", seq_id, i)
+        if not isinstance(d, dict):
+            raise EngineResponseError(Malformed.WRONG_TYPE, f"top_logprobs[{i}] is {type(d).__name__}", seq_id, i)
+        if len(d) > k + 1:
+            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(d)} keys, expected at most {k + 1}", seq_id, i)
+        vals = {s: logprob_value(v, f"top logprob of {s!r}", seq_id, i) for s, v in d.items()}
+        out.append((i, tokens[i], a, vals))
+    return out
