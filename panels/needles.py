@@ -137,22 +137,29 @@ class _FillerCache:
     or trails it, and the first layout whose every join checks out exactly is used.
     """
 
-    def __init__(self, tok: PanelTokenizer, chat: bool):
+    def __init__(self, tok: PanelTokenizer, chat: bool, system: str | None = None, question: str = QUESTION):
         self.tok = tok
         if chat:
-            rendered = tok.chat_format.render([Message("user", _MARK)], (), add_generation_prompt=True)
+            msgs = ([Message("system", system)] if system is not None else []) + [Message("user", _MARK)]
+            rendered = tok.chat_format.render(msgs, (), add_generation_prompt=True)
             if rendered.count(_MARK) != 1:
                 raise NeedleError(f"chat format '{tok.chat_format.name}' did not place the user text exactly once")
             self.head, template_tail = rendered.split(_MARK)
         else:
-            self.head, template_tail = tok.raw_prefix or "", ""
+            self.head = (tok.raw_prefix or "") + (system or "")
+            template_tail = ""
+        # Raw text with a leading system line is separated from the filler by a blank line, which
+        # then belongs to whichever side the layout puts separators on.
+        head_sep = system is not None and not chat
+        base_head = self.head
         failures = []
         for layout in ("lead", "trail"):
             lead = layout == "lead"
             self.layout = layout
-            self.first = FILLER if lead else tuple(p + _SEP for p in FILLER)
-            self.next = tuple(_SEP + p for p in FILLER) if lead else self.first
-            self.tail = (_SEP if lead else "") + QUESTION + template_tail
+            self.head = base_head + (_SEP if head_sep and not lead else "")
+            self.next = tuple(_SEP + p for p in FILLER) if lead else tuple(p + _SEP for p in FILLER)
+            self.first = self.next if not lead or head_sep else FILLER
+            self.tail = (_SEP if lead else "") + question + template_tail
             bad = self._bad_boundary()
             if bad is None:
                 break
@@ -170,17 +177,16 @@ class _FillerCache:
         self.first_ids = [np.asarray(e.ids, dtype=np.int64) for e in ids[2 : 2 + n]]
         self.next_ids = [np.asarray(e.ids, dtype=np.int64) for e in ids[2 + n :]]
 
-    def needle_text(self, passphrase: str) -> str:
-        sentence = NEEDLE_TEMPLATE.format(passphrase=passphrase)
+    def insert_text(self, sentence: str) -> str:
         return _SEP + sentence if self.layout == "lead" else sentence + _SEP
 
-    def needle(self, passphrase: str) -> tuple[str, np.ndarray]:
-        text = self.needle_text(passphrase)
+    def insert(self, sentence: str) -> tuple[str, np.ndarray]:
+        text = self.insert_text(sentence)
         return text, np.asarray(self.tok.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def _bad_boundary(self) -> str | None:
         """Every join the builder can make must tokenize as the concatenation of its two halves."""
-        needle = self.needle_text(make_passphrase(0))
+        needle = self.insert_text(NEEDLE_TEMPLATE.format(passphrase=make_passphrase(0)))
         lefts = [*self.first, *self.next, needle]
         rights = [*self.next, needle, self.tail]
         pairs = [(self.head, f) for f in self.first] + [(a, b) for a in lefts for b in rights]
@@ -204,23 +210,32 @@ def _filler(tok: PanelTokenizer, chat: bool) -> _FillerCache:
     return _CACHE[key]
 
 
-def build_haystack(tok: PanelTokenizer, target_tokens: int, depth: float, seed: int, *, chat: bool = True) -> Haystack:
-    """A prompt of at most `target_tokens` tokens (within one filler paragraph of it) with the needle
-    at about `depth` of the way through the filler (never before the first paragraph). Same
-    arguments and tokenizer give the same ids."""
+@dataclass(frozen=True, eq=False)
+class FillerPrompt:
+    token_ids: np.ndarray  # int64, read-only
+    insert_token_offset: int | None
+    pieces: tuple[str, ...]
+
+
+def assemble(
+    fc: _FillerCache, target_tokens: int, seed: int | str, insert: str | None = None, depth: float = 0.5
+) -> FillerPrompt:
+    """Fill `fc`'s frame with seeded paragraphs up to `target_tokens`, with `insert` (a sentence)
+    at the paragraph boundary nearest to `depth` of the filler, never before the first paragraph."""
     if not 0.0 <= depth <= 1.0:
         raise NeedleError(f"depth must be in [0, 1], got {depth}")
-    fc = _filler(tok, chat)
-    passphrase = make_passphrase(seed)
-    needle_text, needle = fc.needle(passphrase)
-    budget = target_tokens - len(fc.head_ids) - len(fc.tail_ids) - len(needle)
+    if insert is not None:
+        ins_text, ins_ids = fc.insert(insert)
+    else:
+        ins_text, ins_ids = "", np.zeros(0, dtype=np.int64)
+    budget = target_tokens - len(fc.head_ids) - len(fc.tail_ids) - len(ins_ids)
     longest = max(len(p) for p in fc.next_ids)
     if budget < 2 * longest:
         raise NeedleError(f"target of {target_tokens} tokens is too small for a haystack with this tokenizer")
 
     # Seeded paragraph order: each cycle is a fresh permutation, so no fixed period gives the
-    # needle's position away, and one seed always gives the same haystack.
-    rng = random.Random(f"needle-order/{seed}")
+    # needle's position away, and one seed always gives the same prompt.
+    rng = random.Random(f"filler-order/{seed}")
     order: list[int] = []
     lengths: list[int] = []
     used = 0
@@ -241,28 +256,41 @@ def build_haystack(tok: PanelTokenizer, target_tokens: int, depth: float, seed: 
     cum = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
     cut = int(np.argmin(np.abs(cum[1:] - depth * used))) + 1  # a boundary after >= 1 paragraph
     first, rest = order[0], order[1:]
-    id_parts = [fc.head_ids, fc.first_ids[first], *(fc.next_ids[k] for k in rest[: cut - 1]), needle]
+    id_parts = [fc.head_ids, fc.first_ids[first], *(fc.next_ids[k] for k in rest[: cut - 1]), ins_ids]
     id_parts += [*(fc.next_ids[k] for k in rest[cut - 1 :]), fc.tail_ids]
     ids = np.concatenate(id_parts)
     ids.setflags(write=False)
-    text_parts = (
+    pieces = (
         fc.head,
         fc.first[first],
         *(fc.next[k] for k in rest[: cut - 1]),
-        needle_text,
+        ins_text,
         *(fc.next[k] for k in rest[cut - 1 :]),
         fc.tail,
     )
+    offset = len(fc.head_ids) + int(cum[cut]) if insert is not None else None
+    return FillerPrompt(token_ids=ids, insert_token_offset=offset, pieces=pieces)
+
+
+def build_haystack(tok: PanelTokenizer, target_tokens: int, depth: float, seed: int, *, chat: bool = True) -> Haystack:
+    """A prompt of at most `target_tokens` tokens (within one filler paragraph of it) with the needle
+    at about `depth` of the way through the filler (never before the first paragraph). Same
+    arguments and tokenizer give the same ids."""
+    if not 0.0 <= depth <= 1.0:
+        raise NeedleError(f"depth must be in [0, 1], got {depth}")
+    passphrase = make_passphrase(seed)
+    fp = assemble(_filler(tok, chat), target_tokens, f"needle/{seed}", NEEDLE_TEMPLATE.format(passphrase=passphrase), depth)
+    assert fp.insert_token_offset is not None
     return Haystack(
         seed=seed,
         target_tokens=target_tokens,
         depth=depth,
         passphrase=passphrase,
-        token_ids=ids,
-        needle_token_offset=len(fc.head_ids) + int(cum[cut]),
+        token_ids=fp.token_ids,
+        needle_token_offset=fp.insert_token_offset,
         chat=chat,
         tokenizer_hash=tok.hash,
-        _pieces=text_parts,
+        _pieces=fp.pieces,
     )
 
 
