@@ -352,6 +352,39 @@ def test_sigint_while_starting_stops_the_group(tmp_path: Path) -> None:
     _assert_all_gone(pids)
 
 
+ATEXIT_DRIVER = textwrap.dedent(
+    '''
+    import sys
+    from engine.launcher import EngineServer
+    srv = EngineServer(sys.argv[1]).start()  # never stopped by the script itself
+    print("READY", srv.pid, flush=True)
+    sys.stdin.readline()
+    sys.exit(0)
+    '''
+)
+
+
+def test_interpreter_exit_without_stop_still_stops_the_group(tmp_path: Path) -> None:
+    profile = _write_profile(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ATEXIT_DRIVER, str(profile)],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        pids = _pids(tmp_path)
+        assert _alive(pids["child"])
+        proc.stdin.close()  # the script returns; only the atexit hook can stop the server now
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, proc.stderr.read()
+    _assert_all_gone(pids)
+
+
 def test_session_server_is_shared_then_stopped(tmp_path: Path) -> None:
     profile = str(_write_profile(tmp_path))
     try:
