@@ -43,15 +43,18 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class Tolerance:
     """Per-output tolerance. ``exact``: every element bit-identical to the oracle rounded to the output
     dtype. Otherwise an element passes when its ULP distance (in the output dtype) is <= ``max_ulp`` or its
-    absolute error is <= ``atol`` (the latter for values near zero after cancellation)."""
+    absolute error is <= ``atol`` or <= ``row_rtol`` times the largest |oracle| value of its row (the last
+    two for values near zero after cancellation, where a ULP count says nothing)."""
 
     exact: bool = False
     max_ulp: int = 0
     atol: float = 0.0
+    row_rtol: float = 0.0  # |error| <= row_rtol * max|oracle| over the element's row (last dim)
 
     def __post_init__(self):
-        if self.max_ulp < 0 or self.atol < 0:
-            raise ValueError(f"tolerance: max_ulp ({self.max_ulp}) and atol ({self.atol}) must be >= 0")
+        if self.max_ulp < 0 or self.atol < 0 or self.row_rtol < 0:
+            raise ValueError(f"tolerance: max_ulp ({self.max_ulp}), atol ({self.atol}) and row_rtol "
+                             f"({self.row_rtol}) must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class ErrorStats:
     numel: int
     max_abs: float
     max_rel: float  # max |d| / |ref| over elements with |ref| > 0
+    max_row_rel: float  # max |d| / max|ref of the row| (rows = last dim)
     ref_max_abs: float
     max_ulp: int
     mean_ulp: float
@@ -90,6 +94,9 @@ def error_stats(engine: torch.Tensor, oracle: torch.Tensor, tol: Tolerance) -> E
     nan = int((ulp < 0).sum())
     e64, r64 = engine.double().flatten(), oracle.double().flatten()
     d = (e64 - r64).abs()
+    rowmax = (oracle.double().abs().amax(-1, keepdim=True).expand(oracle.shape).flatten() if oracle.ndim
+              else r64.abs())
+    row_rel = torch.where(rowmax > 0, d / rowmax.clamp_min(1e-300), torch.where(d > 0, torch.inf, 0.0))
     nz = r64 != 0
     rel = (d[nz] / r64[nz].abs()) if bool(nz.any()) else d.new_zeros(1)
     okulp = ulp.clamp_min(0)
@@ -98,11 +105,12 @@ def error_stats(engine: torch.Tensor, oracle: torch.Tensor, tol: Tolerance) -> E
     if tol.exact:
         bad = ulp != 0
     else:
-        bad = (ulp < 0) | ((ulp > tol.max_ulp) & ~(d <= tol.atol))
+        bad = (ulp < 0) | ((ulp > tol.max_ulp) & ~(d <= tol.atol) & ~(d <= tol.row_rtol * rowmax))
     n = ulp.numel()
     return ErrorStats(
         dtype=str(dtype).replace("torch.", ""), numel=n,
         max_abs=float(d.max()) if n else 0.0, max_rel=float(rel.max()) if n else 0.0,
+        max_row_rel=float(row_rel.max()) if n else 0.0,
         ref_max_abs=float(r64.abs().max()) if n else 0.0,
         max_ulp=int(okulp.max()) if n else 0, mean_ulp=float(okulp.double().mean()) if n else 0.0,
         p99_ulp=float(torch.quantile(okulp.double(), 0.99)) if 0 < n <= 16_000_000 else 0.0,

@@ -48,6 +48,7 @@ class KernelEntry:
     test_only: bool = False
     perturb: dict[str, str] = field(default_factory=dict)  # output -> perturbation (test-only entries)
     expect_violation: bool = False
+    known_issue: dict[str, str] = field(default_factory=dict)  # output -> a measured, understood violation
     notes: str = ""
 
     @property
@@ -85,23 +86,28 @@ def _opt(d: dict, key: str, typ, default, where: str):
 
 
 def _tolerance(d: dict, where: str) -> Tolerance:
-    unknown = set(d) - {"exact", "max_ulp", "atol"}
+    unknown = set(d) - {"exact", "max_ulp", "atol", "row_rtol"}
     if unknown:
         raise RegistryError(f"{where}: unknown tolerance field(s) {sorted(unknown)}")
     exact = _opt(d, "exact", bool, False, where)
-    if not exact and "max_ulp" not in d and "atol" not in d:
-        raise RegistryError(f"{where}: a non-exact tolerance needs max_ulp and/or atol")
-    atol = d.get("atol", 0.0)
-    if isinstance(atol, bool) or not isinstance(atol, (int, float)):
-        raise RegistryError(f"{where}: field 'atol' must be a number, got {atol!r}")
+    if exact and set(d) - {"exact"}:
+        raise RegistryError(f"{where}: an exact tolerance takes no max_ulp/atol/row_rtol")
+    if not exact and not set(d) & {"max_ulp", "atol", "row_rtol"}:
+        raise RegistryError(f"{where}: a non-exact tolerance needs max_ulp, atol and/or row_rtol")
+    num = {}
+    for key in ("atol", "row_rtol"):
+        v = d.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RegistryError(f"{where}: field {key!r} must be a number, got {v!r}")
+        num[key] = float(v)
     try:
-        return Tolerance(exact=exact, max_ulp=_opt(d, "max_ulp", int, 0, where), atol=float(atol))
+        return Tolerance(exact=exact, max_ulp=_opt(d, "max_ulp", int, 0, where), **num)
     except ValueError as e:
         raise RegistryError(f"{where}: {e}") from None
 
 
 _KERNEL_FIELDS = {"name", "primitive", "engine", "target", "adapter", "flag", "device", "status", "shapes",
-                  "tolerance", "test_only", "perturb", "expect_violation", "notes"}
+                  "tolerance", "test_only", "perturb", "expect_violation", "known_issue", "notes"}
 
 
 def parse_registry(doc: dict, path: str = "<registry>") -> Registry:
@@ -152,13 +158,18 @@ def parse_registry(doc: dict, path: str = "<registry>") -> Registry:
                 raise RegistryError(f"{where}: perturb.{out} = {p!r} not in {PERTURBATIONS}")
             if out not in tols:
                 raise RegistryError(f"{where}: perturb.{out} names an output without a tolerance")
+        known = dict(_opt(k, "known_issue", dict, {}, where))
+        for out, text in known.items():
+            if out not in tols or not isinstance(text, str) or not text:
+                raise RegistryError(f"{where}: known_issue.{out} must name a toleranced output and explain it")
         if perturb and not test_only:
             raise RegistryError(f"{where}: perturb is only allowed on test_only entries")
         kernels.append(KernelEntry(
             name=name, primitive=_req(k, "primitive", str, where), engine=engine, target=target,
             adapter=_req(k, "adapter", str, where), flag=flag, device=device, status=status, shapes=shapes,
             tolerance=tols, test_only=test_only, perturb=perturb,
-            expect_violation=_opt(k, "expect_violation", bool, False, where), notes=_opt(k, "notes", str, "", where)))
+            expect_violation=_opt(k, "expect_violation", bool, False, where),
+            known_issue=known, notes=_opt(k, "notes", str, "", where)))
     return Registry(path=path, engines=engines, kernels=tuple(kernels))
 
 

