@@ -8,7 +8,7 @@ import torch
 
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .numerics import Numerics, qdq4e, qdq8
+from .numerics import Numerics, einsum, qdq4e, qdq8
 from .rope import apply_rope, layer_frequencies, rope_cis
 
 
@@ -65,14 +65,19 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     valid = idx >= 0
     g = torch.gather(kv.unsqueeze(1).expand(b, m, kv.shape[1], d), 2,
                      idx.clamp_min(0).long().unsqueeze(-1).expand(b, m, idx.shape[-1], d))  # [b, m, k, d]
-    z = torch.einsum("bmhd,bmkd->bmhk", q, g) * scale
+    z = einsum("bmhd,bmkd->bmhk", q, g) * scale
     z = z.masked_fill(~valid.unsqueeze(2), float("-inf"))
     sink = sink.view(1, 1, h)
     if not num.bf16:
-        mu = torch.maximum(z.amax(-1), sink) if z.shape[-1] else sink.expand(b, m, h)
-        p = torch.exp(z - mu.unsqueeze(-1))
-        den = p.sum(-1) + torch.exp(sink - mu)
-        return torch.einsum("bmhk,bmkd->bmhd", p, g) / den.unsqueeze(-1)
+        # exact softmax evaluated in float64 and rounded once, so the result does not depend on how
+        # many -1 holes a list has (prefill and decode lists differ only in those)
+        z64 = torch.einsum("bmhd,bmkd->bmhk", q.double(), g.double()) * scale
+        z64 = z64.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        s64 = sink.double()
+        mu = torch.maximum(z64.amax(-1), s64) if z64.shape[-1] else s64.expand(b, m, h)
+        p = torch.exp(z64 - mu.unsqueeze(-1))
+        den = p.sum(-1) + torch.exp(s64 - mu)
+        return (torch.einsum("bmhk,bmkd->bmhd", p, g.double()) / den.unsqueeze(-1)).float()
     run = torch.full((b, m, h), -1e30)
     den = torch.zeros(b, m, h)
     acc = torch.zeros(b, m, h, d)
@@ -82,7 +87,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         alpha = torch.exp(run - new)
         p = torch.exp(zb - new.unsqueeze(-1))
         den = den * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", num.r(p), gb)
+        acc = acc * alpha.unsqueeze(-1) + einsum("bmhk,bmkd->bmhd", num.r(p), gb)
         run = new
     den = den + torch.exp(sink - run)
     return num.r(acc / den.unsqueeze(-1))
@@ -149,7 +154,7 @@ class Attention:
         b, s = o.shape[:2]
         og = o.reshape(b, s, cfg.o_groups, -1)
         wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        z = num.r(torch.einsum("bsgd,grd->bsgr", og, wa))
+        z = num.r(einsum("bsgd,grd->bsgr", og, wa))
         return num.qlinear(z.flatten(2), self.wo_b)
 
     # -- forward -------------------------------------------------------------------------------

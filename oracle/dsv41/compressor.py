@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, qdq4p, topk_lowest_index
+from .numerics import Numerics, einsum, mm, qdq4p, topk_lowest_index
 from .rope import apply_rope
 
 
@@ -33,7 +33,7 @@ class Compressor:
         if r == 1:  # nothing to pool: a plain bf16 linear
             return num.rmsnorm(num.linear(x, self.wkv), self.norm, eps)
         # ratio > 1 runs in fp32 with fp32 weights in the reference too (§12.2)
-        kv, score = x @ self.wkv.T, x @ self.wgate.T
+        kv, score = mm(x, self.wkv), mm(x, self.wgate)
         b, s, _ = x.shape
         if start_pos == 0:
             cut = s - s % r
@@ -103,7 +103,7 @@ class Indexer:
             raise RuntimeError(f"indexer layer {self.layer_id}: key cache has {index_k.shape[1]} rows, needs {G}")
         K = index_k[:, :G]
         w = num.r(num.linear(x, self.weights_proj) * (D**-0.5 * H**-0.5))
-        score = num.r(torch.einsum("bshd,btd->bsht", q, K))
+        score = num.r(einsum("bshd,btd->bsht", q, K))
         score = num.r(score.relu() * w.unsqueeze(-1)).sum(dim=2)
         score = num.r(score)  # the reference's top-k runs on bf16 scores (§5.3)
         if start_pos == 0:

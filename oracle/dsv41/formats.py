@@ -66,16 +66,26 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+# byte -> (value of the low nibble, value of the high nibble): low nibble first (§5.1)
+E2M1_PAIR_TABLE = torch.stack((E2M1_TABLE[torch.arange(256) & 0xF], E2M1_TABLE[torch.arange(256) >> 4]), dim=-1)
+
+
+def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` (index_select over flat int32 indices is the fastest CPU gather here)."""
+    flat = torch.index_select(table, 0, idx.reshape(-1).to(torch.int32))
+    return flat.view(*idx.shape, *table.shape[1:])
+
+
 def e8m0_to_f32(b: torch.Tensor) -> torch.Tensor:
-    return E8M0_TABLE[as_bytes(b).to(torch.int32)]
+    return _lookup(E8M0_TABLE, as_bytes(b))
 
 
 def e4m3_to_f32(b: torch.Tensor) -> torch.Tensor:
-    return E4M3_TABLE[as_bytes(b).to(torch.int32)]
+    return _lookup(E4M3_TABLE, as_bytes(b))
 
 
 def e2m1_to_f32(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_TABLE[codes.to(torch.int32)]
+    return _lookup(E2M1_TABLE, codes)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -119,7 +129,7 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block: BlockSize | tu
     s = scale.float() if scale.dtype == torch.float32 else e8m0_to_f32(scale)
     w = e4m3_to_f32(weight)
     if R % br == 0 and C % bc == 0:
-        return (w.view(R // br, br, C // bc, bc) * s[:, None, :, None]).view(R, C)
+        return w.view(R // br, br, C // bc, bc).mul_(s[:, None, :, None]).view(R, C)
     full = s.repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]  # partial edge blocks (§4.2)
     return w * full
 
@@ -149,8 +159,8 @@ def mxfp4_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if tuple(scale.shape) != (out, 2 * half // 32) or (2 * half) % 32:
         raise FormatError(f"MXFP4 weight {list(weight.shape)} needs scale [{out}, {2 * half // 32}], "
                           f"got {list(scale.shape)}")
-    v = e2m1_to_f32(_unpack_nibbles(weight)).view(out, -1, 32)
-    return (v * e8m0_to_f32(scale)[..., None]).view(out, 2 * half)
+    v = _lookup(E2M1_PAIR_TABLE, as_bytes(weight)).view(out, -1, 32)
+    return v.mul_(e8m0_to_f32(scale)[..., None]).view(out, 2 * half)
 
 
 def mxfp4_blocks_dequant(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -318,14 +328,15 @@ def exl3_dequant(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cb
         r1 = min(n_in, r0 + step)
         A = (r1 - r0) // 128
         # V[A, ka, B, nb, r, c]: input row 128A + 16ka + r, output column 128B + 16nb + c
-        v = lut[exl3_states(trellis[r0 // 16:r1 // 16], k2, tile_order=True)].view(A, 8, B, 8, 16, 16)
+        v = _lookup(lut, exl3_states(trellis[r0 // 16:r1 // 16], k2, tile_order=True)).view(A, 8, B, 8, 16, 16)
         v = torch.matmul(v, H16)  # c
         v = torch.matmul(H16, v)  # r
         v = torch.matmul(H8, v.view(A * 8 * B, 8, 256))  # nb
         v = torch.matmul(H8, v.view(A, 8, B * 8 * 256)).view(A, 8, B, 8, 16, 16)  # ka
         su = (suh[r0:r1].to(torch.float64) / 128).view(A, 8, 1, 1, 16, 1)
-        w = ((v * su) * sv).to(torch.float32)
-        out[:, r0:r1] = w.permute(2, 3, 5, 0, 1, 4).reshape(n_out, r1 - r0)
+        # su * svh is exact (11 + 11 bits), so S * (su * svh) is the same single fp64 rounding as (S * su) * svh
+        v.mul_(su * sv)
+        out[:, r0:r1].view(B, 8, 16, A, 8, 16).copy_(v.permute(2, 3, 5, 0, 1, 4))  # fp32 RNE + [out, in] layout
     return out
 
 

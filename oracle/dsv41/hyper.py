@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import Numerics
+from .numerics import Numerics, mm
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
@@ -25,8 +25,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              hc_eps: float, norm_eps: float):
     """One RMS statistic per token over all copies, no weight; product first, then scaled (§9)."""
     xf = x.flatten(-2)
-    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = (xf @ fn.T) * rstd
+    rstd = torch.rsqrt(xf.double().square().mean(-1, keepdim=True) + norm_eps).float()
+    mixes = mm(xf, fn) * rstd
     return hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .numerics import Numerics, topk_lowest_index
+from .numerics import Numerics, mm, topk_lowest_index
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -19,7 +19,7 @@ def _need(w: dict, name: str) -> torch.Tensor:
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg: ModelConfig, num: Numerics,
           site: str = "router"):
     """x [n, d] -> (weights [n, k], indices [n, k]); fp32, no act QDQ, no bf16 rounding (§13.1)."""
-    s = (x @ weight.T) / cfg.gate_temp
+    s = mm(x, weight) / cfg.gate_temp
     if cfg.score_func == "sqrtsoftplus":
         s = F.softplus(s).sqrt()
     elif cfg.score_func == "sigmoid":

@@ -10,7 +10,7 @@ import torch
 from .attention import Attention, LayerCache, sparse_attn
 from .config import ModelConfig
 from .hyper import hc_pre
-from .numerics import qdq8
+from .numerics import mm
 from .rope import apply_rope, rope_cis
 
 
@@ -96,14 +96,14 @@ class DSpark:
             return None
         # forward_head (§15): the last stage's norm, the backbone head, then the Markov bias
         xc = hc_pre(x, pre, num)
-        logits = num.rmsnorm(xc, self.norm, cfg.norm_eps) @ self.head.weight.T
+        logits = mm(num.rmsnorm(xc, self.norm, cfg.norm_eps), self.head.weight)
         out = torch.empty(b, B + 1, dtype=torch.int64)
         out[:, 0] = tok
         embeds = []
         for i in range(B):
             e = self.markov_embed[out[:, i]]
-            logits[:, i] += e @ self.markov_head.T
+            logits[:, i] += mm(e, self.markov_head)
             embeds.append(e)
             out[:, i + 1] = logits[:, i].argmax(-1)
-        conf = (torch.cat([xc, torch.stack(embeds, 1)], -1) @ self.confidence.T).squeeze(-1)  # x is NOT normed
+        conf = mm(torch.cat([xc, torch.stack(embeds, 1)], -1), self.confidence).squeeze(-1)  # x is NOT normed
         return DraftOutput(out, logits, conf)
