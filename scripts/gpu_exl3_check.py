@@ -53,7 +53,7 @@ def main() -> int:
         for k2 in [2, 4, 6, 8, 10, 12, 14, 16] + ([3, 5, 7] if cb == 2 else []):
             tr = torch.randint(-2**15, 2**15, (16, 32, 8 * k2), generator=g, dtype=torch.int16)
             ok &= compare(ext, "random", tr, cb)
-        ok &= compare(ext, "all-states K=8", torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+        ok &= compare(ext, "arange words K=8", torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
                       .view(32, 16, 128), cb)
     if args.pack:
         from oracle.dsv41.checkpoint import _Folder
