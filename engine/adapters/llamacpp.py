@@ -9,17 +9,27 @@ appended to the list, so when it falls outside the top-k the same prefix is aske
 size that case is an ``actual_missing`` error. Values ≤ −9999 (llama-server writes ``-FLT_MAX`` for
 probability 0) are −inf. ``tokens_evaluated`` must equal the prefix length (alignment self-check).
 
-**llama-cpp-python** (§6). Text prompts only, and no ids anywhere in the logprobs. For a token-id
-sequence the adapter detokenizes with ``/extras/detokenize``, re-tokenizes with ``/extras/tokenize``, and
-**refuses** (``TokenRoundTripError``, naming the first differing position) any sequence whose ids do not
-round-trip — scoring a different tokenization would silently misalign positions against the oracle.
-It then asks ``/v1/completions`` with ``echo: true, logprobs: k``; ``usage.prompt_tokens`` must equal the
-sequence length. The top dict is keyed by decoded string (+ the actual token's string): each string is
-mapped to ids with the engine's own ``/extras/tokenize`` (cached), and a position is marked *ambiguous*
-(rule 2) when a string does not map to exactly one id, two strings map to one id, the actual token's
-string does not map back to it, or the key count shows a collision (fewer than k keys, or k keys where
-the actual token is the smallest — rank k and "outside the top-k plus one lost key" look the same).
-Ambiguous positions keep their unambiguous entries and an actual rank of 0.
+**llama-cpp-python** (§6, 0.3.36). Text prompts only, and no ids anywhere in the logprobs. For a
+token-id sequence the adapter detokenizes with ``/extras/detokenize``, re-tokenizes with
+``/extras/tokenize``, and **refuses** (``TokenRoundTripError``, naming the first differing position) any
+sequence whose ids do not round-trip — scoring a different tokenization would misalign every position
+against the oracle. ``usage.prompt_tokens`` of the scoring request must equal the sequence length.
+
+Its echo surface is **shifted by one position** (abetlen/llama-cpp-python#1983, verified on the 0.3.36
+server): echo entry i holds the top-k of the distribution at position i+1, plus one extra key — token i's
+string with its logprob *under position i+1's distribution* (also what ``token_logprobs[i]`` says), and
+entry 0 is null, so position 1 is lost. The adapter therefore reads position p (2 ≤ p ≤ n−1) from echo
+entry p−1, dropping that extra key when the entry has k+1 keys; position 1, and any position whose actual
+token is outside the reported top-k, come from a non-echo request on the prefix text (checked to
+round-trip as well) whose first generated position is unshifted: ``logprobs=k`` for position 1's top-k,
+``logprobs=vocab_size`` (no cap on this server) for an actual token's value. Without ``vocab_size`` a
+missing actual value is an ``actual_missing`` error.
+
+Keys are decoded strings: each is mapped to ids with the engine's own ``/extras/tokenize`` (cached), and
+a position is marked *ambiguous* (rule 2) when a key does not map to exactly one id, two keys map to one
+id, the key count shows a collision (fewer than k), or the actual token's string does not map back to it.
+Ambiguous positions keep their unambiguous entries; their actual rank is 0. Ranks from the full
+distribution are given only when that distribution had no key collision.
 """
 
 from __future__ import annotations
@@ -194,7 +204,7 @@ class LlamaServerAdapter:
 class LlamaCppPythonAdapter:
     name = "llama-cpp-python"
     keyed_by = "string"
-    surface = "llama-cpp-python.completions.echo"
+    surface = "llama-cpp-python.completions.echo-shifted"
 
     def __init__(self, vocab_size: int | None = None):
         self.vocab_size = vocab_size
@@ -228,107 +238,135 @@ class LlamaCppPythonAdapter:
             raise TokenRoundTripError(seq_id, first, ids, back)
         return text
 
-    # -------------------------------------------------------------- scoring
-    def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
-                        cache_salt: str | None = None) -> SequenceLogprobs:
-        ids = [int(t) for t in token_ids]
-        text = self.text_for(transport, seq_id, ids)
-        body = {"model": transport.model, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": True,
-                "logprobs": k}
-        reply = transport.post_json("/v1/completions", body, seq_id=seq_id)
-        try:
-            parsed = parse_echo(reply.data, ids, k, transport.model, seq_id)
-            rows = [self._map_position(transport, seq_id, i, ids[i], tok, lp, top, k) for (i, tok, lp, top) in parsed]
-        except EngineResponseError as exc:
-            raise exc.at(seq_id, reply.url) from None
-        return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "string", tuple(rows),
-                                HttpTiming(1, reply.elapsed_s), None)
-
-    def _map_position(self, transport: Transport, seq_id: str, i: int, actual: int, actual_str: str,
-                      actual_lp: float, top: dict[str, float], k: int) -> PositionLogprobs:
-        if actual_str not in top:
-            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual token string {actual_str!r} is not a top key "
-                                      "(llama-cpp-python always adds it)", seq_id, i)
-        if top[actual_str] != actual_lp:
-            raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"actual token {actual_str!r}: token_logprobs "
-                                      f"{actual_lp!r}, top_logprobs {top[actual_str]!r}", seq_id, i)
-        ambiguous = False
-        if self.tokenize(transport, actual_str, seq_id) != (actual,):
-            ambiguous = True   # the actual token's string does not name it: its key may stand for another id
+    def _map_keys(self, transport: Transport, seq_id: str, keys: dict[str, float]) -> tuple[dict[int, float], bool]:
+        """String keys → {id: logprob}; ambiguous when a key is not exactly one id or two keys share an id."""
         mapped: dict[int, float] = {}
-        for s, lp in top.items():
-            if s == actual_str:
-                continue
-            tids = self.tokenize(transport, s, seq_id)
-            if len(tids) != 1 or tids[0] == actual or tids[0] in mapped:
+        ambiguous = False
+        for key, lp in keys.items():
+            tids = self.tokenize(transport, key, seq_id)
+            if len(tids) != 1 or tids[0] in mapped:
                 ambiguous = True
                 continue
             mapped[tids[0]] = lp
-        n = len(top)
-        others = [lp for s, lp in top.items() if s != actual_str]
-        if n > k + 1:
-            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{n} keys, expected {k} or {k + 1}", seq_id, i)
-        if n == k + 1:
-            inside = False
-        elif n == k and others and actual_lp > min(others):
-            inside = True
-        elif n == k and not others:   # k == 1: the single key is the actual token
-            inside = True
-        else:
-            inside = False
-            ambiguous = True
-        entries = dict(mapped)
-        if inside:
-            entries[actual] = actual_lp
-        order = sorted(entries, key=lambda t: (-entries[t], t))[:k]
-        top_ids = tuple(order)
-        top_lps = tuple(entries[t] for t in order)
-        if not ambiguous and len(top_ids) != k:
-            ambiguous = True
-        rank = top_ids.index(actual) + 1 if (actual in top_ids and not ambiguous) else 0
-        return PositionLogprobs(i, actual, actual_lp, rank, top_ids, top_lps, ambiguous)
+        return mapped, ambiguous
+
+    # -------------------------------------------------------------- scoring
+    def _complete(self, transport: Transport, seq_id: str, text: str, n_prompt: int, k: int, echo: bool,
+                  position: int | None):
+        body = {"model": transport.model, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": echo,
+                "logprobs": k}
+        reply = transport.post_json("/v1/completions", body, seq_id=seq_id)
+        try:
+            choice = single_choice(reply.data, seq_id)
+            check_model(reply.data, transport.model, seq_id)
+            prompt_tokens, _ = usage_cached_tokens(reply.data.get("usage"), seq_id)
+            if prompt_tokens != n_prompt:
+                raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, f"engine tokenized the text into "
+                                          f"{prompt_tokens} tokens, {n_prompt} expected", seq_id, position)
+            lp = choice.get("logprobs")
+            if lp is None:
+                raise EngineResponseError(Malformed.MISSING_LOGPROBS, "choices[0].logprobs is null", seq_id, position)
+            tokens = need(lp, "tokens", list, "logprobs", seq_id=seq_id, position=position)
+            tlp = need(lp, "token_logprobs", list, "logprobs", seq_id=seq_id, position=position)
+            top = need(lp, "top_logprobs", list, "logprobs", seq_id=seq_id, position=position)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        if not (len(tokens) == len(tlp) == len(top)):
+            raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"{len(tokens)} tokens, {len(tlp)} token_logprobs, "
+                                      f"{len(top)} top entries", seq_id, position, reply.url)
+        return tokens, tlp, top, HttpTiming(1, reply.elapsed_s)
+
+    def _top_dict(self, entry: Any, what: str, seq_id: str, pos: int) -> dict[str, float]:
+        if entry is None:
+            raise EngineResponseError(Malformed.NULL_ENTRY, f"{what} is null", seq_id, pos)
+        if not isinstance(entry, dict):
+            raise EngineResponseError(Malformed.WRONG_TYPE, f"{what} is {type(entry).__name__}", seq_id, pos)
+        return {s: logprob_value(v, f"{what}[{s!r}]", seq_id, pos) for s, v in entry.items()}
+
+    def _prefix_dist(self, transport: Transport, seq_id: str, ids: list[int], p: int, n_probs: int):
+        """Unshifted distribution at position p from a non-echo request on text(ids[:p])."""
+        text = self.text_for(transport, seq_id, ids[:p])
+        tokens, tlp, top, timing = self._complete(transport, seq_id, text, p, n_probs, False, p)
+        if len(top) < 1:
+            raise EngineResponseError(Malformed.MISSING_LOGPROBS, "no generated position", seq_id, p)
+        return self._top_dict(top[0], "top_logprobs[0]", seq_id, p), timing
+
+    def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
+                        cache_salt: str | None = None) -> SequenceLogprobs:
+        ids = [int(t) for t in token_ids]
+        n = len(ids)
+        text = self.text_for(transport, seq_id, ids)
+        timing = HttpTiming()
+        tokens, tlp, top, t = self._complete(transport, seq_id, text, n, k, True, None)
+        timing = timing + t
+        if len(tokens) < n:
+            raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"echo covers {len(tokens)} tokens for {n} sent", seq_id)
+        if n and (tlp[0] is not None or top[0] is not None):
+            raise EngineResponseError(Malformed.POSITION0_NOT_NULL, "echo entry 0 is not null", seq_id, 0)
+        rows: list[PositionLogprobs] = []
+        for p in range(1, n):
+            actual = ids[p]
+            if not isinstance(tokens[p], str):
+                raise EngineResponseError(Malformed.WRONG_TYPE, f"tokens[{p}] is {tokens[p]!r}", seq_id, p)
+            ambiguous = self.tokenize(transport, tokens[p], seq_id) != (actual,)
+            if p == 1:
+                keys, t = self._prefix_dist(transport, seq_id, ids, 1, k)
+                timing = timing + t
+                if len(keys) > k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
+                greedy = max(keys.values()) if keys else None
+                # non-echo adds the sampled (greedy = top-1) token, so k keys unless a collision lost one
+                if len(keys) == k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k} although the "
+                                              f"sampled token is the top-1 ({greedy!r})", seq_id, p)
+            else:
+                keys = self._top_dict(top[p - 1], f"top_logprobs[{p - 1}]", seq_id, p)
+                extra_key = tokens[p - 1]
+                if not isinstance(extra_key, str) or extra_key not in keys:
+                    raise EngineResponseError(Malformed.ACTUAL_MISSING, f"echo entry {p - 1} lacks its token key "
+                                              f"{extra_key!r} (layout of #1983 not found)", seq_id, p)
+                shifted = logprob_value(tlp[p - 1], f"token_logprobs[{p - 1}]", seq_id, p)
+                if keys[extra_key] != shifted:
+                    raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"echo entry {p - 1}: key {extra_key!r} is "
+                                              f"{keys[extra_key]!r}, token_logprobs {shifted!r}", seq_id, p)
+                if len(keys) > k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
+                if len(keys) == k + 1:
+                    del keys[extra_key]          # the appended previous-token key is not a top-k member
+            if len(keys) < k:
+                ambiguous = True
+            mapped, amb = self._map_keys(transport, seq_id, keys)
+            ambiguous |= amb
+            order = sorted(mapped, key=lambda x: (-mapped[x], x))[:k]
+            top_ids = tuple(order)
+            top_lps = tuple(mapped[x] for x in order)
+            if actual in mapped:
+                actual_lp = mapped[actual]
+                rank = top_ids.index(actual) + 1 if actual in top_ids else 0
+            else:
+                actual_lp, rank, t = self._actual_from_full(transport, seq_id, ids, p, tokens[p])
+                timing = timing + t
+                if top_lps and actual_lp > top_lps[-1] + 1e-6 and not ambiguous:
+                    raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"actual {actual} outside the top-{k} "
+                                              f"with logprob {actual_lp!r} above the k-th {top_lps[-1]!r}", seq_id, p)
+            if ambiguous:
+                rank = 0
+            rows.append(PositionLogprobs(p, actual, actual_lp, rank, top_ids, top_lps, ambiguous))
+        return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "string", tuple(rows), timing, None)
+
+    def _actual_from_full(self, transport: Transport, seq_id: str, ids: list[int], p: int, actual_str: str):
+        if self.vocab_size is None:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual id {ids[p]} is outside the reported top-k; "
+                                      "give the adapter vocab_size to read it from the full distribution", seq_id, p)
+        full, timing = self._prefix_dist(transport, seq_id, ids, p, self.vocab_size)
+        if actual_str not in full:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual token string {actual_str!r} absent from the "
+                                      "full distribution", seq_id, p)
+        lp = full[actual_str]
+        rank = 1 + sum(1 for v in full.values() if v > lp) if len(full) == self.vocab_size else 0
+        return lp, rank, timing
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
                  **_: Any) -> Generation:
         raise UnsupportedSurface("llama-cpp-python reports no token ids for generated positions (engines.md §6); "
                                  "generate on llama-server or vLLM instead")
-
-
-def parse_echo(data: Any, ids: Sequence[int], k: int, model: str | None, seq_id: str | None):
-    """llama-cpp-python echo response → [(position, actual token string, actual logprob, top dict)] for 1..n-1."""
-    choice = single_choice(data, seq_id)
-    if model is not None:
-        check_model(data, model, seq_id)
-    prompt_tokens, _ = usage_cached_tokens(data.get("usage"), seq_id)
-    if prompt_tokens is None:
-        raise EngineResponseError(Malformed.MISSING_FIELD, "usage.prompt_tokens is absent (needed to align positions)",
-                                  seq_id)
-    if prompt_tokens != len(ids):
-        raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, f"engine tokenized the text into {prompt_tokens} "
-                                  f"tokens, the sequence has {len(ids)}", seq_id)
-    lp = choice.get("logprobs")
-    if lp is None:
-        raise EngineResponseError(Malformed.MISSING_LOGPROBS, "choices[0].logprobs is null", seq_id)
-    tokens = need(lp, "tokens", list, "logprobs", seq_id=seq_id)
-    tlp = need(lp, "token_logprobs", list, "logprobs", seq_id=seq_id)
-    top = need(lp, "top_logprobs", list, "logprobs", seq_id=seq_id)
-    if not (len(tokens) == len(tlp) == len(top)) or len(tokens) < len(ids):
-        raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"echo covers {len(tokens)} tokens / {len(tlp)} logprobs / "
-                                  f"{len(top)} top entries for {len(ids)} prompt tokens", seq_id)
-    if tlp[0] is not None or top[0] is not None:
-        raise EngineResponseError(Malformed.POSITION0_NOT_NULL, "echo entry 0 is not null", seq_id, 0)
-    out = []
-    for i in range(1, len(ids)):
-        if not isinstance(tokens[i], str):
-            raise EngineResponseError(Malformed.WRONG_TYPE, f"tokens[{i}] is {tokens[i]!r}", seq_id, i)
-        a = logprob_value(tlp[i], f"token_logprobs[{i}]", seq_id, i)
-        d = top[i]
-        if d is None:
-            raise EngineResponseError(Malformed.NULL_ENTRY, f"top_logprobs[{i}] is null", seq_id, i)
-        if not isinstance(d, dict):
-            raise EngineResponseError(Malformed.WRONG_TYPE, f"top_logprobs[{i}] is {type(d).__name__}", seq_id, i)
-        if len(d) > k + 1:
-            raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(d)} keys, expected at most {k + 1}", seq_id, i)
-        vals = {s: logprob_value(v, f"top logprob of {s!r}", seq_id, i) for s, v in d.items()}
-        out.append((i, tokens[i], a, vals))
-    return out
