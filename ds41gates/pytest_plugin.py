@@ -55,7 +55,163 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    run = getattr(config, "_ds41_gate_run", None)
+    if run is not None:
+        try:
+            _write_session_report(config)
+        except Exception as exc:
+            terminalreporter.write_line(f"ds41-gates: report could not be written: {exc!r}")
+        paths = getattr(config, "_ds41_report", None)
+        terminalreporter.section("ds41-gates")
+        terminalreporter.write_line(f"results: {run.out_dir / 'results.json'}")
+        if paths is not None:
+            terminalreporter.write_line(f"report:  {paths.html}")
     if _skipped_required:
         terminalreporter.section("ds41-gates: engine/gate tests skipped while DS41_REQUIRE_ENGINES=1 (run fails)")
         for line in _skipped_required:
             terminalreporter.write_line(line)
+
+
+# --------------------------------------------------------------------------- fixtures: the seams
+# panel reference → encoded panel (always the reference's own ids) → engine endpoint → engine record.
+# `--engine-url URL --reference FILE` gates a running engine; with neither, the embedded default
+# (SmolLM2 on the vllm-cpu-fp32 profile, reference built and cached) is launched here.
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class GateRun:
+    """What this session's gates measured; results.json is rewritten after every gate (crash-safe)."""
+
+    out_dir: Path
+    results: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engines: list = dataclasses.field(default_factory=list)   # (label, Record)
+    reference: Any = None
+    panel_gates: list = dataclasses.field(default_factory=list)  # pipeline.PanelGateResult
+    report_sections: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    def add(self, gate: str, data: dict) -> None:
+        from ds41gates.pipeline import write_json_atomic
+
+        self.results[gate] = data
+        write_json_atomic(self.out_dir / "results.json", self.results)
+
+    def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
+        self.report_sections[title] = {"rows": rows, "note": note}
+
+
+def _opt(config: pytest.Config, name: str):
+    return config.getoption(name)
+
+
+@pytest.fixture(scope="session")
+def gate_run(request: pytest.FixtureRequest) -> GateRun:
+    from ds41gates.pipeline import results_dir
+
+    run = GateRun(out_dir=results_dir(_opt(request.config, "--results")))
+    request.config._ds41_gate_run = run
+    return run
+
+
+@pytest.fixture(scope="session")
+def gate_results(gate_run: GateRun) -> GateRun:
+    return gate_run
+
+
+@pytest.fixture(scope="session")
+def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
+    """The oracle reference record: --reference FILE, or the default panel on the default model."""
+    from ds41gates import pipeline
+    from ds41gates.records import Record
+
+    path = _opt(request.config, "--reference")
+    if path:
+        ref = Record.load(path)
+    else:
+        model_dir = pipeline.default_model_dir()
+        encoded = pipeline.encode_default_panel(_opt(request.config, "--panel") or pipeline.DEFAULT_PANEL, model_dir)
+        ref, _ = pipeline.ensure_reference(encoded, model_dir)
+    gate_run.reference = ref
+    return ref
+
+
+@pytest.fixture(scope="session")
+def encoded_panel(panel_reference):
+    from ds41gates.pipeline import encoded_from_reference
+
+    return encoded_from_reference(panel_reference)
+
+
+def launch_endpoint(profile_name: str, flags=(), overrides=None):
+    """Start a server from a profile; returns (server, endpoint). The caller stops the server."""
+    from ds41gates.pipeline import EngineEndpoint, precision_of
+    from engine.launcher import EngineServer, load_profile
+
+    prof = load_profile(profile_name)
+    server = EngineServer(prof, overrides=overrides, flags=flags).start()
+    endpoint = EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
+                              flags=tuple(flags), precision=precision_of(prof))
+    return server, endpoint
+
+
+@pytest.fixture(scope="session")
+def engine_endpoint(request: pytest.FixtureRequest):
+    """The engine under test: --engine-url (already running), else the --engine-profile launched here."""
+    from ds41gates.pipeline import DEFAULT_PROFILE, EngineEndpoint
+
+    url = _opt(request.config, "--engine-url")
+    profile = _opt(request.config, "--engine-profile")
+    if url:
+        import httpx
+
+        root = url.rstrip("/").removesuffix("/v1")
+        listing = httpx.get(root + "/v1/models", timeout=30).json()
+        models = [m["id"] for m in listing.get("data", [])]
+        if not models:
+            raise pytest.UsageError(f"--engine-url {url}: /v1/models lists no model")
+        kind = "vllm"
+        if profile:
+            from engine.launcher import load_profile
+
+            kind = load_profile(profile).engine or kind
+        yield EngineEndpoint(root, models[0], profile or "default", engine=kind)
+        return
+    server, endpoint = launch_endpoint(profile or DEFAULT_PROFILE)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_client(engine_endpoint):
+    from ds41gates.pipeline import client_for
+
+    client = client_for(engine_endpoint, max_concurrency=4)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
+    """The engine's record of the panel positions, saved beside the results."""
+    from ds41gates.pipeline import DEFAULT_ENGINE_K, score_engine
+
+    rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
+    rec.save(gate_run.out_dir / f"engine-{engine_endpoint.profile}.safetensors")
+    gate_run.engines.append((engine_endpoint.profile, rec))
+    return rec
+
+
+def _write_session_report(config: pytest.Config) -> None:
+    run: GateRun | None = getattr(config, "_ds41_gate_run", None)
+    if run is None or run.reference is None or not run.engines:
+        return
+    from ds41gates.pipeline import write_report
+
+    paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, run.report_sections)
+    config._ds41_report = paths

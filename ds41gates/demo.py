@@ -1,0 +1,61 @@
+"""`ds41gate demo`: the main job on the embedded default (SmolLM2-135M + vLLM CPU), end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ds41gates import pipeline
+
+
+def demo_app(
+    profile: list[str] = typer.Option([pipeline.DEFAULT_PROFILE], "--profile", "-p",
+                                      help="engine profile(s) to gate; repeat to compare several"),
+    panel: str = typer.Option(pipeline.DEFAULT_PANEL, help="panel name[@version]"),
+    out: Optional[Path] = typer.Option(None, help="results folder (default results/<timestamp>)"),
+    k: int = typer.Option(pipeline.DEFAULT_ENGINE_K, help="engine top-k per position"),
+) -> None:
+    """Oracle reference, engine run, KL panel gate and report on the embedded default model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.launcher import EngineServer, load_profile
+
+    console = Console()
+    out_dir = pipeline.results_dir(out)
+    model_dir = pipeline.default_model_dir()
+    encoded = pipeline.encode_default_panel(panel, model_dir)
+    ref, ref_path = pipeline.ensure_reference(encoded, model_dir)
+
+    engines, gates = [], []
+    for name in profile:
+        prof = load_profile(name)
+        with EngineServer(prof) as server:
+            endpoint = pipeline.EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
+                                               precision=pipeline.precision_of(prof))
+            eng = pipeline.score_engine(endpoint, encoded, k)
+        eng.save(out_dir / f"engine-{prof.name}.safetensors")
+        _, gate = pipeline.judge(ref, eng, prof.name, prof.name)
+        engines.append((prof.name, eng))
+        gates.append(gate)
+
+    paths = pipeline.write_report(ref, engines, out_dir, gates)
+    table = Table(title=f"KL panel gate · {encoded.panel_name}@{encoded.panel_version} · "
+                        f"{ref.n_positions} positions")
+    for col in ("engine", "verdict", "KL_part mean", "KL_part macro", "top-1", "PPL ratio"):
+        table.add_column(col)
+    for g in gates:
+        s = g.summary
+        table.add_row(g.label, "[green]PASS[/]" if g.passed else "[red]FAIL[/]", f"{s['kl_part_mean']:.3g}",
+                      f"{s['kl_part_macro']:.3g}", f"{s['top1']:.4f}", f"{s['ppl_ratio']:.6f}")
+    console.print(table)
+    for g in gates:
+        for f in g.failures:
+            console.print(f"  [red]{g.label}[/] {f}", highlight=False)
+    console.print(f"reference: {ref_path}")
+    console.print(f"report:    {paths.html}")
+    console.print(f"           {paths.markdown}")
+    if not all(g.passed for g in gates):
+        raise typer.Exit(1)

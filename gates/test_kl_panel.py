@@ -1,0 +1,21 @@
+"""Gate: per-domain KL panel (gates.md §3) — the engine's prompt logprobs against the fp32 oracle.
+
+Pass rule per domain: mean and p99 KL_part, top-1 on decided positions and |ln PPL ratio| within the
+profile's bands (gates/bands.toml), and no infinite position. Guards every `numerics` flag.
+"""
+
+import pytest
+
+from ds41gates import pipeline
+
+pytestmark = [pytest.mark.gate, pytest.mark.engine]
+
+
+def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results):
+    result, gate = pipeline.judge(panel_reference, panel_engine_record, engine_endpoint.profile,
+                                  label=engine_endpoint.profile)
+    gate_results.panel_gates.append(gate)
+    gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
+                                  "summary": gate.summary, "metrics": result.as_dict()})
+    assert result.overall.n_positions == panel_reference.n_positions
+    assert gate.passed, "KL panel gate failed:\n" + "\n".join(gate.failures)
