@@ -78,18 +78,8 @@ def parse_prompt_logprobs(data: Any, sent: Sequence[int], k: int, model: str, se
             raise EngineResponseError(Malformed.NULL_ENTRY, "prompt_logprobs entry is null", seq_id, i)
         if not isinstance(entry, dict):
             raise EngineResponseError(Malformed.WRONG_TYPE, f"prompt_logprobs entry is {type(entry).__name__}", seq_id, i)
-        values: dict[int, float] = {}
-        ranks: dict[int, int] = {}
-        for key, item in entry.items():
-            tid = parse_id_key(key, seq_id, i, vocab_size)
-            if tid in values:  # '7' and '07' are both refused by parse_id_key; kept as a guard
-                raise EngineResponseError(Malformed.DUPLICATE_ID, f"id {tid} appears twice", seq_id, i)
-            values[tid] = logprob_value(need(item, "logprob", float, f"entry {key}", seq_id=seq_id, position=i),
-                                        f"logprob of id {tid}", seq_id, i)
-            r = need(item, "rank", int, f"entry {key}", seq_id=seq_id, position=i)
-            if r < 1 or (vocab_size is not None and r > vocab_size):
-                raise EngineResponseError(Malformed.BAD_RANK, f"id {tid} has rank {r}", seq_id, i)
-            ranks[tid] = r
+        fast = _entry_fast(entry, vocab_size)
+        values, ranks = fast if fast is not None else _entry_checked(entry, i, seq_id, vocab_size)
         actual = int(sent[i])
         if actual not in values:
             raise EngineResponseError(Malformed.ACTUAL_MISSING,
@@ -107,6 +97,48 @@ def parse_prompt_logprobs(data: Any, sent: Sequence[int], k: int, model: str, se
         rows.append(PositionLogprobs(i, actual, values[actual], ranks[actual], top_ids, top_lps))
     _, cached = usage_cached_tokens(data.get("usage"), seq_id)
     return rows, cached
+
+
+def _entry_fast(entry: dict, vocab_size: int | None) -> tuple[dict[int, float], dict[int, int]] | None:
+    """Values and ranks of one well-formed prompt_logprobs entry, or None at the first oddity.
+
+    Accepts only what :func:`_entry_checked` accepts without change (plain decimal keys in range, float
+    logprobs in (-9999, 0], int ranks >= 1); anything else — including clamped values — goes through the
+    checked path, which raises the precise error or normalises the value.
+    """
+    values: dict[int, float] = {}
+    ranks: dict[int, int] = {}
+    limit = vocab_size if vocab_size is not None else 1 << 62
+    for key, item in entry.items():
+        if type(item) is not dict or not key.isascii() or not key.isdigit() or (key[0] == "0" and len(key) > 1):
+            return None
+        lp = item.get("logprob")
+        r = item.get("rank")
+        if type(lp) is not float or type(r) is not int or not (-9999.0 < lp <= 0.0) or r < 1 or r > limit:
+            return None
+        tid = int(key)
+        if tid >= limit:
+            return None
+        values[tid] = lp
+        ranks[tid] = r
+    return values, ranks
+
+
+def _entry_checked(entry: dict, i: int, seq_id: str | None,
+                   vocab_size: int | None) -> tuple[dict[int, float], dict[int, int]]:
+    values: dict[int, float] = {}
+    ranks: dict[int, int] = {}
+    for key, item in entry.items():
+        tid = parse_id_key(key, seq_id, i, vocab_size)
+        if tid in values:  # '7' and '07' are both refused by parse_id_key; kept as a guard
+            raise EngineResponseError(Malformed.DUPLICATE_ID, f"id {tid} appears twice", seq_id, i)
+        values[tid] = logprob_value(need(item, "logprob", float, f"entry {key}", seq_id=seq_id, position=i),
+                                    f"logprob of id {tid}", seq_id, i)
+        r = need(item, "rank", int, f"entry {key}", seq_id=seq_id, position=i)
+        if r < 1 or (vocab_size is not None and r > vocab_size):
+            raise EngineResponseError(Malformed.BAD_RANK, f"id {tid} has rank {r}", seq_id, i)
+        ranks[tid] = r
+    return values, ranks
 
 
 def _legacy_generated(lp: Any, ids: list[int], k: int, start: int, seq_id: str | None,
