@@ -215,3 +215,70 @@ def _write_session_report(config: pytest.Config) -> None:
 
     paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, run.report_sections)
     config._ds41_report = paths
+
+
+# ============================================================================ flag A/B + nightly (issue 6)
+# Owned by the flag-registry work: options --flag-registry, --per-prompt-metrics, --ab-*; the
+# `flag_registry` fixture; `flag_ab` items are deselected when no --flag is given (so the gate suite
+# without flags neither runs nor skips them); per_prompt.json for the nightly's paired comparisons.
+
+MARKERS["flag_ab"] = "per-flag A/B gates (gates/test_flag_ab.py); deselected unless --flag is given"
+
+
+def _flag_ab_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ds41-gates flag A/B")
+    group.addoption("--flag-registry", action="append", default=[],
+                    help="extra flag registry TOML merged over gates/flags.toml (repeatable; also "
+                         "$DS41_FLAG_REGISTRY, os.pathsep-separated)")
+    group.addoption("--ab-greedy-tokens", type=int, default=64, help="greedy tokens per prompt in the A/B")
+    group.addoption("--ab-prompts-per-domain", type=int, default=1, help="greedy A/B prompts per panel domain")
+    group.addoption("--ab-speed-rounds", type=int, default=3, help="alternating off/on rounds of the perf compare")
+    group.addoption("--per-prompt-metrics", action="store_true", default=False,
+                    help="write per_prompt.json (per-prompt mean KL_part of every engine record) to --results")
+
+
+_plain_addoption = pytest_addoption
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the options above
+    _plain_addoption(parser)
+    _flag_ab_addoption(parser)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if config.getoption("--flag"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("flag_ab") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def flag_registry(request: pytest.FixtureRequest):
+    from engine.flags import load_registry
+
+    return load_registry(request.config.getoption("--flag-registry"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = getattr(config, "_ds41_gate_run", None)
+    if run is None or run.reference is None or not run.engines or not config.getoption("--per-prompt-metrics"):
+        return
+    import numpy as np
+
+    from ds41gates import metrics
+    from ds41gates.pipeline import write_json_atomic
+
+    ref = run.reference
+    out = {"format": "ds41-per-prompt/1", "seq_ids": list(ref.seq_ids), "domains": list(ref.domains), "engines": {}}
+    for label, rec in run.engines:
+        pm = metrics.position_metrics(ref, rec)
+        keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
+        means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(ref.seq_ids))
+        out["engines"][label] = {"kl_part": [None if not np.isfinite(m) else float(m) for m in means],
+                                 "hard_fails": int(np.sum(~np.isfinite(pm.kl_part)))}
+    write_json_atomic(run.out_dir / "per_prompt.json", out)
+# ============================================================================ end flag A/B + nightly
