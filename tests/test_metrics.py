@@ -1,6 +1,7 @@
 """Metrics against independent computations: scipy on full distributions, hand-worked examples."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -247,3 +248,169 @@ def test_nan_in_loaded_record_is_refused_by_metrics(tmp_path):
     loaded = Record.load(tmp_path / "e.safetensors")
     with pytest.raises(RecordError, match=r"engine record: sequence 's0' position 3"):
         metrics.position_metrics(ref, loaded)
+
+
+# ----------------------------------------------------------------------------- fast core vs a per-position reference
+
+def _reference_position(ref, eng, i, actual):
+    """gates.md §2.2/§2.3 for one position, with Python dicts, math.fsum and scipy's logsumexp."""
+    from scipy.special import logsumexp
+    a = int(actual[i])
+    e = {int(t): float(v) for t, v in zip(eng.topk_ids[i], eng.topk_logprobs[i]) if t >= 0}
+    e_k = len(e)
+    e.setdefault(a, float(eng.actual_logprob[i]))
+    if ref.full_logprobs is not None:
+        o = {t: float(v) for t, v in enumerate(ref.full_logprobs[i])}
+    else:
+        o = {int(t): float(v) for t, v in zip(ref.topk_ids[i], ref.topk_logprobs[i]) if t >= 0}
+        o.setdefault(a, float(ref.actual_logprob[i]))
+    support = [t for t in e if t in o]
+    outside = sum(1 for t in list(e)[:e_k] if t not in o)
+    p = [math.exp(o[t]) for t in support]
+    q = [math.exp(e[t]) for t in support]
+    p_rest = math.fsum([1.0] + [-x for x in p])
+    q_rest = math.fsum([1.0] + [-x for x in q])
+    floored = p_rest >= metrics.REST_FLOOR and q_rest < metrics.REST_FLOOR
+    terms = [pp * (o[t] - e[t]) for pp, t in zip(p, support) if pp > 0]
+    if p_rest >= metrics.REST_FLOOR:
+        terms.append(p_rest * (math.log(p_rest) - math.log(metrics.REST_FLOOR if floored else q_rest)))
+    kl_part = math.fsum(terms)
+    top = [(int(t), float(v)) for t, v in zip(ref.topk_ids[i, :20], ref.topk_logprobs[i, :20]) if t >= 0]
+    finite_e = [float(v) for v in eng.topk_logprobs[i] if np.isfinite(v)]
+    q_min = min(finite_e) if finite_e else math.inf
+    pl = np.array([v for _, v in top])
+    ql = np.array([e.get(t, q_min) for t, _ in top])
+    imputed = sum(1 for t, _ in top if t not in e)
+    ph, qh = pl - logsumexp(pl), ql - logsumexp(ql)
+    kl_r20 = float(np.sum(np.exp(ph) * (ph - qh)))
+    return kl_part, kl_r20, len(support), outside, imputed, floored, max(p_rest, 0.0), max(q_rest, 0.0)
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("ref_full", [False, True])
+def test_fast_core_matches_a_per_position_reference(backend, ref_full, monkeypatch):
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("DS41_METRICS_BACKEND", backend)
+    assert metrics.backend() == backend
+    rng = np.random.default_rng(21)
+    # 30 sequences x 11 positions = 300 positions; k_ref < vocab so engine ids fall outside the oracle top-K.
+    ref, eng, _ = pair_of_records(rng, n_seq=30, length=12, vocab=60, k_ref=12 if not ref_full else 25, k_eng=8,
+                                  noise=1.0, ref_full=ref_full)
+    pm = metrics.position_metrics(ref, eng)
+    actual = ref.actual_ids()
+    exp = np.array([_reference_position(ref, eng, i, actual) for i in range(ref.n_positions)])
+    np.testing.assert_allclose(pm.kl_part, exp[:, 0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(pm.kl_r20, exp[:, 1], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(pm.support_size, exp[:, 2])
+    np.testing.assert_array_equal(pm.engine_outside_oracle, exp[:, 3])
+    np.testing.assert_array_equal(pm.r20_imputed, exp[:, 4])
+    np.testing.assert_array_equal(pm.rest_floored, exp[:, 5].astype(bool))
+    np.testing.assert_allclose(pm.p_rest, exp[:, 6], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(pm.q_rest, exp[:, 7], rtol=0, atol=1e-15)
+    assert pm.engine_outside_oracle.sum() > 0 or ref_full
+
+
+def test_backends_agree_and_results_do_not_depend_on_thread_count(monkeypatch):
+    numba = pytest.importorskip("numba")
+    rng = np.random.default_rng(22)
+    ref, eng, _ = pair_of_records(rng, n_seq=40, length=30, vocab=80, k_ref=32, k_eng=20, noise=0.4)
+    monkeypatch.setenv("DS41_METRICS_BACKEND", "numpy")
+    a = metrics.position_metrics(ref, eng, chunk=97)
+    monkeypatch.setenv("DS41_METRICS_BACKEND", "numba")
+    b = metrics.position_metrics(ref, eng)
+    n_threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        c = metrics.position_metrics(ref, eng)
+    finally:
+        numba.set_num_threads(n_threads)
+    np.testing.assert_allclose(a.kl_part, b.kl_part, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(a.kl_r20, b.kl_r20, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(b.kl_part, c.kl_part)
+    np.testing.assert_array_equal(b.kl_r20, c.kl_r20)
+    for name in ("support_size", "engine_outside_oracle", "engine_topk_count", "r20_imputed", "rest_floored"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def test_numba_backend_names_the_bad_position(monkeypatch, tmp_path):
+    pytest.importorskip("numba")
+    monkeypatch.setenv("DS41_METRICS_BACKEND", "numba")
+    rng = np.random.default_rng(11)
+    ref, eng, _ = pair_of_records(rng, n_seq=1, length=5, vocab=20, k_ref=20, k_eng=3)
+    eng.topk_logprobs = eng.topk_logprobs.copy()
+    eng.topk_logprobs[2, 1] = np.nan
+    with pytest.raises(RecordError, match=r"engine record: sequence 's0' position 3"):
+        metrics.position_metrics(ref, eng)
+
+
+# ----------------------------------------------------------------------------- reported issues
+
+def test_infinite_engine_nll_is_counted_not_a_nan_se():
+    nll_ref = np.array([1.0, 2.0, 0.5, 1.5])
+    nll_eng = np.array([1.1, np.inf, 0.4, 1.7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ppl = metrics.perplexity_stats(nll_ref, nll_eng)
+        dp = metrics.delta_p_stats(np.array([0.1, -0.2, np.inf, 0.05]))
+    assert ppl["n_infinite"] == 1 and ppl["n_finite"] == 3
+    assert ppl["ln_ratio"] == math.inf and ppl["ppl_eng"] == math.inf
+    finite_d = np.array([0.1, -0.1, 0.2])
+    assert ppl["ln_ratio_finite"] == pytest.approx(finite_d.mean())
+    assert ppl["ln_ratio_se"] == pytest.approx(finite_d.std(ddof=1) / math.sqrt(3))
+    assert dp["n_nonfinite"] == 1 and dp["n"] == 3 and dp["max"] == pytest.approx(0.1)
+
+
+def test_ambiguous_positions_leave_every_statistic_and_top1_has_binomial_se():
+    rng = np.random.default_rng(23)
+    ref, eng, _ = pair_of_records(rng, n_seq=4, length=30, vocab=20, k_ref=20, k_eng=5, noise=1.0)
+    amb = np.zeros(ref.n_positions, bool)
+    amb[::3] = True
+    eng.ambiguous = amb
+    pm = metrics.position_metrics(ref, eng)
+    g = metrics.group_report(pm, np.ones(ref.n_positions, bool), "all", n_boot=50)
+    keep = ~amb
+    assert g.ambiguous == amb.sum() and g.n_usable == keep.sum() and g.n_positions == ref.n_positions
+    assert g.perplexity["ppl_eng"] == pytest.approx(math.exp(pm.nll_eng[keep].mean()))
+    assert g.delta_p["mean"] == pytest.approx(pm.delta_p[keep].mean())
+    assert g.kl_part.n_positions == keep.sum()
+    p = pm.top1_agree[keep].mean()
+    assert g.top1 == pytest.approx(p) and g.top1_se == pytest.approx(math.sqrt(p * (1 - p) / keep.sum()))
+    dec = keep & pm.decided
+    pd_ = pm.top1_agree[dec].mean()
+    assert g.top1_decided_se == pytest.approx(math.sqrt(pd_ * (1 - pd_) / dec.sum()))
+
+
+def test_macro_means_skip_domains_without_usable_positions():
+    rng = np.random.default_rng(24)
+    ref, eng, _ = pair_of_records(rng, n_seq=6, vocab=20, k_ref=20, k_eng=4, domains=("a", "b", "c"))
+    eng.ambiguous = ref.position_domains() == "c"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        panel = metrics.panel_metrics(ref, eng, n_boot=100)
+    assert math.isnan(panel.domains["c"].top1)
+    assert panel.macro_top1 == pytest.approx(np.mean([panel.domains[d].top1 for d in ("a", "b")]))
+    assert panel.macro_kl == pytest.approx(np.mean([panel.domains[d].kl_part.mean for d in ("a", "b")]))
+
+
+def test_r20_without_any_finite_engine_value_is_a_counted_hard_fail():
+    # The engine's only top-k entry is clamped (q = 0): no q_min to impute the reference's ids from.
+    ref, eng = _one_position([0, 1], np.log([0.6, 0.3]), [5], [-9999.0], 0, math.log(0.6), math.log(0.2))
+    pm = metrics.position_metrics(ref, eng)
+    assert np.isnan(pm.kl_r20[0]) and pm.r20_imputed[0] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = metrics.group_report(pm, np.ones(1, bool), "all", n_boot=10)
+    assert g.r20_hard_fails == 1 and g.kl_r20.n_positions == 0
+
+
+def test_regions_report_perplexity_and_delta_p_separately():
+    rng = np.random.default_rng(25)
+    ref, eng, _ = pair_of_records(rng, n_seq=4, length=20, vocab=20, k_ref=20, k_eng=5)
+    pm = metrics.position_metrics(ref, eng)
+    cont = ref.pos_index >= 12
+    g = metrics.group_report(pm, np.ones(ref.n_positions, bool), "all", n_boot=10, continuation=cont)
+    assert g.regions["continuation"]["n"] == cont.sum()
+    assert g.regions["prompt"]["perplexity"]["ppl_eng"] == pytest.approx(math.exp(pm.nll_eng[~cont].mean()))
+    assert g.regions["continuation"]["delta_p"]["mean"] == pytest.approx(pm.delta_p[cont].mean())
+    assert metrics.group_report(pm, np.ones(ref.n_positions, bool), "all", n_boot=10).regions == {}
