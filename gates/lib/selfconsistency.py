@@ -118,6 +118,8 @@ def judge(runs: Sequence[PromptRuns], band: Band = Band(), block: int | None = N
                         "generated": len(d1), "decode_repeat_first_divergence": div})
     if not runs:
         return SelfConsistencyResult(False, ["no prompts were run"], [], [])
+    if failures:  # non-finite values: no divergence can be computed, the verdict is already a failure
+        return SelfConsistencyResult(False, failures, [], prompts, {"prompts": len(runs)})
     sm: StepMetrics = step_metrics(main_ref, main_test)
     sp_f = step_metrics([a for a, _ in spread_pf], [b for _, b in spread_pf])
     sp_d = step_metrics([a for a, _ in spread_dc], [b for _, b in spread_dc])

@@ -1,0 +1,132 @@
+"""Gate: prefix cache (gates.md §6), cold versus warm on one running server.
+
+Cases: exact hit, multi-turn extension and fork, at shared-prefix lengths b−1, b, b+1 around multiples
+of the engine's KV block size (read from the server's ``vllm:cache_config_info``), plus one even and one
+odd length; prompts are real code from the default panel. Cold = fresh salt (cached_tokens must be 0);
+prime = the shared prefix under salt s; warm = the test prompt under s (cached_tokens must reach the
+block-aligned shared length, or the case is INVALID). The whole gate runs twice on the same server
+(``passes``), optionally a third time after filling the KV cache (``eviction_pass``). Verdicts: see
+gates/lib/prefix.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from gates import _engine
+from gates.lib import prefix
+
+pytestmark = [pytest.mark.gate, pytest.mark.engine]
+
+TURN = "\n\n# Next: add a method that returns the number of live entries, with a docstring and a test.\n"
+BRANCHES = ("\n\ndef test_first_case():\n    assert", "\n\nclass AnotherThing:\n    \"\"\"A different")
+
+
+def _source_ids(tok) -> list[int]:
+    from panels import load_panel
+
+    texts = [it.text for it in load_panel("default").items if it.domain == "code" and it.text]
+    return list(tok.tokenizer.encode("\n\n".join(texts), add_special_tokens=False).ids)
+
+
+def _cases(cfg, block: int, tok):
+    src = _source_ids(tok)
+    enc = lambda s: list(tok.tokenizer.encode(s, add_special_tokens=False).ids)
+    turn, b1, b2 = enc(TURN), enc(BRANCHES[0]), enc(BRANCHES[1])
+    lengths = sorted({m * block + d for m in cfg["boundaries"] for d in (-1, 0, 1)} | set(cfg["extra_lengths"]))
+    cases = []
+    for L in lengths:
+        if L + len(turn) + 2 > len(src):
+            raise ValueError(f"prefix source has {len(src)} tokens, too few for a shared prefix of {L}")
+        shared = src[:L]
+        for kind in cfg["kinds"]:
+            prime, test = {"exact": (shared, shared), "extend": (shared, shared + turn),
+                           "fork": (shared + b1, shared + b2)}[kind]
+            exp = prefix.expected_cached(L, len(test), block)
+            cases.append({"case": f"{kind}@{L}", "kind": kind, "shared": L, "prime": prime, "test": test,
+                          "expected": exp})
+    return cases
+
+
+def _run(client, ids, cfg, salt=None) -> prefix.Run:
+    g = _engine.complete(client, ids, cfg["max_tokens"], cfg["k"], salt=salt, seq_id="prefix")
+    return prefix.Run(tuple(g.token_ids), tuple(g.positions), g.cached_tokens)
+
+
+def _one_case(client, case, cfg, kl_tol):
+    cold = _run(client, case["test"], cfg)
+    salt = uuid.uuid4().hex
+    _engine.complete(client, case["prime"], 1, 1, salt=salt, seq_id="prefix-prime")
+    warm = _run(client, case["test"], cfg, salt=salt)
+    return cold, warm, prefix.classify(case["case"], cold, warm, case["expected"], kl_tol, cfg["fail_window"])
+
+
+def _fill_cache(client, tok, tokens: int, max_model_len: int):
+    from panels.bench import prefill_prompt
+
+    per = min(1800, max_model_len - 8)
+    for i in range(tokens // per + 1):
+        _engine.complete(client, [int(t) for t in prefill_prompt(tok, per).token_ids], 1, 1, seq_id="evict")
+
+
+@pytest.fixture(scope="module")
+def prefix_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
+    cfg = gate_config["prefix"]
+    block = engine_facts["block_size"]
+    assert block, f"the server did not report its KV block size: {engine_facts['cache_config']}"
+    cases = [c for c in _cases(cfg, block, gate_tokenizer) if c["expected"] > 0]
+    skipped = [c["case"] for c in _cases(cfg, block, gate_tokenizer) if c["expected"] <= 0]
+    # F_run: two cold runs of the first three cases
+    pairs = [(_run(engine_client, c["test"], cfg), _run(engine_client, c["test"], cfg)) for c in cases[:3]]
+    f_run = prefix.run_to_run(pairs)
+    kl_tol = max(cfg["spread_factor"] * f_run, cfg["kl_tol_floor"])
+    labels = [f"pass {i + 1}" for i in range(cfg["passes"])] + (["after eviction"] if cfg["eviction_pass"] else [])
+    verdicts, rows, kept = [], [], {}
+    for label in labels:
+        if label == "after eviction":
+            _fill_cache(engine_client, gate_tokenizer, 30000, engine_facts["max_model_len"] or 2048)
+        for c in cases:
+            cold, warm, v = _one_case(engine_client, c, cfg, kl_tol)
+            verdicts.append((label, v))
+            rows.append(v.as_row(run=label, kind=c["kind"], shared=c["shared"]))
+            kept[c["case"]] = (c, cold)
+    return {"verdicts": verdicts, "rows": rows, "f_run": f_run, "kl_tol": kl_tol, "block": block,
+            "skipped": skipped, "cases": kept, "labels": labels}
+
+
+def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config, timed):
+    r = prefix_runs
+    res = prefix.judge(r["verdicts"])
+    gate_results.add("prefix_cache", {"profile": engine_endpoint.profile, "passed": res.passed,
+                                      "failures": res.failures, "counts": res.counts, "cases": r["rows"],
+                                      "block_size": r["block"], "f_run": r["f_run"], "kl_tol": r["kl_tol"],
+                                      "passes": r["labels"], "not_testable": r["skipped"],
+                                      "config": gate_config["prefix"]})
+    gate_results.add_section("Prefix cache: cold vs warm (gates.md §6)", r["rows"],
+                             f"{engine_endpoint.profile}: block size {r['block']}; passes {r['labels']}; "
+                             f"counts {res.counts}; F_run {r['f_run']:.3g}, per-step KL tolerance {r['kl_tol']:.3g}; "
+                             f"not testable (no full shared block): {r['skipped']}")
+    assert len(r["labels"]) >= 2 and len(r["verdicts"]) >= 2 * len(r["cases"])
+    assert res.passed, "prefix cache gate failed:\n" + "\n".join(res.failures)
+
+
+def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_client, gate_config, timed):
+    """Violations on the live server: (a) a warm request whose prompt differs from the cold one after the
+    cached prefix (a real output mismatch) must be FAIL or CORRUPT; (b) a 'warm' request under a fresh
+    salt has cached_tokens 0, and the gate must call it INVALID (no hit proven), never PASS."""
+    cfg = gate_config["prefix"]
+    case, cold = next((c, cold) for c, cold in prefix_runs["cases"].values() if c["kind"] == "fork")
+    salt = uuid.uuid4().hex
+    _engine.complete(engine_client, case["prime"], 1, 1, salt=salt, seq_id="prefix-prime")
+    other = case["prime"]                                 # same prefix, the *other* branch
+    warm = _run(engine_client, other, cfg, salt=salt)
+    v = prefix.classify(case["case"] + " (other branch)", cold, warm, case["expected"], prefix_runs["kl_tol"])
+    assert warm.cached_tokens and warm.cached_tokens >= case["expected"]
+    assert v.verdict in prefix.BAD and v.verdict != "INVALID", v
+    unsalted = _run(engine_client, case["test"], cfg)      # fresh salt: nothing can be served from cache
+    v2 = prefix.classify(case["case"] + " (fresh salt)", cold, unsalted, case["expected"], prefix_runs["kl_tol"])
+    assert unsalted.cached_tokens == 0
+    assert v2.verdict == "INVALID" and "no hit proven" in v2.reason, v2
+    assert not prefix.judge([("violation", v), ("violation", v2)]).passed
