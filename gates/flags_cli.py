@@ -1,0 +1,134 @@
+"""`ds41gate flags`: the flag registry with each flag's last verdict (history DB, else a results.json).
+
+    ds41gate flags [--registry FILE ...] [--db nightly/history.sqlite] [--results DIR] [--class exact] [--json]
+    ds41gate flags show NAME
+    ds41gate flags check PROFILE [--flag NAME ...]     # refuse unknown / test-only VLLM_DS41_* (exit 1)
+
+`flags_app` is a typer app; ds41gates/cli.py mounts it as `ds41gate flags`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from engine.flags import CLASSES, FlagRegistryError, Registry, check_profile, load_registry
+
+DEFAULT_DB = Path("nightly") / "history.sqlite"
+
+flags_app = typer.Typer(help="The flag registry (gates.md §10.7) and each flag's last A/B verdict.",
+                        invoke_without_command=True, add_completion=False)
+
+RegistryOpt = typer.Option(None, "--registry", "-r", help="extra registry TOML merged over gates/flags.toml (repeatable)")
+
+
+def _registry(paths: Optional[List[Path]]) -> Registry:
+    try:
+        return load_registry(paths or [])
+    except FlagRegistryError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict]:
+    """flag → {passed, gates: {gate: (passed, why)}, source}: from results.json if given, else the history DB."""
+    out: dict[str, dict] = {}
+    if results is not None:
+        path = results / "results.json" if results.is_dir() else results
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            typer.echo(f"error: {path}: cannot read results ({exc})", err=True)
+            raise typer.Exit(2)
+        for flag, slot in (data.get("flag_ab") or {}).items():
+            gates = {g: (bool(v.get("passed")), str(v.get("why", ""))) for g, v in slot.get("gates", {}).items()}
+            out[flag] = {"passed": all(p for p, _ in gates.values()), "gates": gates, "source": str(path)}
+        return out
+    if db is not None and db.exists():
+        from reports.history import latest_flag_verdicts
+
+        for flag, slot in latest_flag_verdicts(db).items():
+            out[flag] = {**slot, "source": f"run {slot['run_id']} ({slot['started']}) cell {slot['cell']}"}
+    return out
+
+
+@flags_app.callback()
+def list_flags(
+    ctx: typer.Context,
+    registry: Optional[List[Path]] = RegistryOpt,
+    db: Path = typer.Option(DEFAULT_DB, "--db", help="nightly history database"),
+    results: Optional[Path] = typer.Option(None, "--results", help="read verdicts from this results dir / results.json"),
+    cls: Optional[str] = typer.Option(None, "--class", help=f"only this class: {', '.join(CLASSES)}"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """List the registry's flags with class, component and last verdict."""
+    ctx.obj = {"registry": registry}
+    if ctx.invoked_subcommand is not None:
+        return
+    if cls is not None and cls not in CLASSES:
+        typer.echo(f"error: --class must be one of {CLASSES}", err=True)
+        raise typer.Exit(2)
+    reg = _registry(registry)
+    verdicts = last_verdicts(db, results)
+    entries = [e for e in reg if cls is None or e.cls == cls]
+    if as_json:
+        typer.echo(json.dumps([{**e.as_dict(), "last_verdict": verdicts.get(e.name)} for e in entries],
+                              indent=2, default=str))
+        return
+    table = Table(title=Text(f"flag registry: {len(entries)} flags ({', '.join(Path(s).name for s in reg.sources)})"))
+    for col in ("flag", "class", "kind", "component", "gates", "last verdict"):
+        table.add_column(col)
+    for e in entries:
+        v = verdicts.get(e.name)
+        if v is None:
+            verdict = Text("—")
+        else:
+            bad = [g for g, (p, _) in v["gates"].items() if not p]
+            verdict = Text("pass" if v["passed"] else f"FAIL ({', '.join(bad)})",
+                           style="green" if v["passed"] else "bold red")
+        table.add_row(Text(e.name), Text(e.cls), Text(e.kind or ""), Text(e.component),
+                      Text(", ".join(e.effective_gates())), verdict)
+    Console(width=160).print(table)
+    unknown = sorted(set(verdicts) - set(reg.entries))
+    if unknown:
+        typer.echo(f"verdicts for flags not in this registry (pass --registry): {unknown}")
+
+
+@flags_app.command("show")
+def show(ctx: typer.Context, name: str = typer.Argument(..., help="flag name")) -> None:
+    """Everything the registry says about one flag."""
+    reg = _registry((ctx.obj or {}).get("registry"))
+    try:
+        entry = reg.get(name)
+    except FlagRegistryError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(entry.as_dict(), indent=2, default=str))
+
+
+@flags_app.command("check")
+def check(ctx: typer.Context, profile: str = typer.Argument(..., help="engine profile name or .toml path"),
+          flag: Optional[List[str]] = typer.Option(None, "--flag", help="flag to turn on (repeatable)")) -> None:
+    """Refuse a profile with unknown / malformed / test-only VLLM_DS41_* settings (gates.md §10.1, §10.7)."""
+    from engine.launcher import ProfileError, load_profile
+
+    reg = _registry((ctx.obj or {}).get("registry"))
+    try:
+        prof = load_profile(profile)
+    except ProfileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    result = check_profile(prof, reg, flag or [])
+    for k, v in result.ds41_env.items():
+        typer.echo(f"  {k}={v}")
+    if not result.ok:
+        for p in result.problems:
+            typer.echo(f"REFUSED: {p}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"profile {prof.name}: ok ({len(result.ds41_env)} VLLM_DS41_* set, flags {list(flag or [])})")

@@ -1,0 +1,517 @@
+"""The nightly runner: a matrix of engine profiles × flag sets, one ``pytest -m gate`` per cell, history, alerts.
+
+Config (TOML)::
+
+    [nightly]
+    name = "cpu-smoke"
+    gates = ["gates/test_kl_panel.py", "gates/test_flag_ab.py"]   # the gate selection (pytest paths)
+    registry = ["gates/flags-vllm-cpu.toml"]                        # extra flag registries (repo-relative)
+    pytest_args = []                                                 # appended to every cell's pytest
+    cell_timeout_s = 3600
+    [nightly.regression]                     # metric rule (gates.md §2.7) for run-vs-baseline comparisons
+    margin_rel = 0.05
+    floor_abs = 0.0
+    alpha = 0.05
+
+    [matrix]                                 # cells = profiles × flag_sets, named "profile" / "profile+f1+f2"
+    profiles = ["vllm-cpu-fp32"]
+    flag_sets = [[], ["no_prefix_cache"]]
+
+    [[cells]]                                # and/or explicit cells
+    name = "fp32"
+    profile = "vllm-cpu-fp32"                # a shipped profile name, or a .toml path (relative to the config)
+    flags = ["no_prefix_cache"]
+    gates = ["gates/test_kl_panel.py"]       # optional: replaces [nightly].gates for this cell
+    env = { SOME_VAR = "1" }                 # optional: extra environment of the cell's pytest
+
+Each cell runs ``python -m pytest GATES -m gate --engine-profile P --flag F ... --results DIR --junitxml
+DIR/junit.xml --per-prompt-metrics`` as a subprocess; its junit XML, results.json, per_prompt.json and report
+are collected, stored in the history DB (reports.history), and compared with the cell's last green run:
+
+* a **gate regression**: a gate that passed in the baseline fails now;
+* a **metric regression**: a per-prompt metric (mean KL_part of each engine record vs the oracle) whose
+  paired difference (now − baseline, per prompt) has an upper 95% bootstrap bound above
+  max(floor_abs, margin_rel · baseline mean) with Wilcoxon p < alpha — the §2.7 rule.
+
+Exit code: 0 all green; 1 at least one regression (named on stderr and in nightly.md); 2 failures without
+a green baseline to compare against (first run, new gates) or a cell that could not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from reports import history as H
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_GATES = ("gates/test_kl_panel.py", "gates/test_flag_ab.py")
+EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 2
+
+
+class NightlyConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RegressionRule:
+    margin_rel: float = 0.05
+    floor_abs: float = 0.0
+    alpha: float = 0.05
+    n_boot: int = 2000
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    profile: str                         # name or absolute .toml path
+    flags: tuple[str, ...] = ()
+    gates: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NightlyConfig:
+    name: str
+    path: str
+    content_hash: str
+    cells: tuple[Cell, ...]
+    gates: tuple[str, ...] = DEFAULT_GATES
+    registry: tuple[str, ...] = ()
+    pytest_args: tuple[str, ...] = ()
+    cell_timeout_s: float = 3600.0
+    rule: RegressionRule = RegressionRule()
+
+
+def _strs(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise NightlyConfigError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _resolve_profile(profile: str, base: Path) -> str:
+    if profile.endswith(".toml") or os.sep in profile:
+        p = Path(profile)
+        p = p if p.is_absolute() else (base / p)
+        return str(p.resolve())
+    return profile
+
+
+def cell_name(profile: str, flags: Sequence[str]) -> str:
+    stem = Path(profile).stem if profile.endswith(".toml") else profile
+    return "+".join([stem, *flags])
+
+
+def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path | None = None) -> NightlyConfig:
+    """A NightlyConfig from parsed TOML (pure apart from resolving profile paths against base_dir)."""
+    base = base_dir or Path(path).resolve().parent
+    unknown = sorted(set(data) - {"nightly", "matrix", "cells"})
+    if unknown:
+        raise NightlyConfigError(f"{path}: unknown top-level key(s) {unknown}; known: nightly, matrix, cells")
+    top = data.get("nightly", {})
+    allowed = {"name", "gates", "registry", "pytest_args", "cell_timeout_s", "regression"}
+    if set(top) - allowed:
+        raise NightlyConfigError(f"{path}: unknown [nightly] key(s) {sorted(set(top) - allowed)}")
+    name = top.get("name", Path(path).stem)
+    gates = _strs(top.get("gates", list(DEFAULT_GATES)), f"{path}: nightly.gates")
+    registry = _strs(top.get("registry", []), f"{path}: nightly.registry")
+    pytest_args = _strs(top.get("pytest_args", []), f"{path}: nightly.pytest_args")
+    timeout = top.get("cell_timeout_s", 3600)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise NightlyConfigError(f"{path}: nightly.cell_timeout_s must be a positive number")
+    reg = top.get("regression", {})
+    if set(reg) - {"margin_rel", "floor_abs", "alpha", "n_boot"}:
+        raise NightlyConfigError(f"{path}: unknown [nightly.regression] key(s) {sorted(set(reg))}")
+    try:
+        rule = RegressionRule(**{k: (int(v) if k == "n_boot" else float(v)) for k, v in reg.items()})
+    except (TypeError, ValueError) as exc:
+        raise NightlyConfigError(f"{path}: [nightly.regression]: {exc}") from None
+    if not 0 < rule.alpha < 1 or rule.margin_rel < 0 or rule.floor_abs < 0 or rule.n_boot < 100:
+        raise NightlyConfigError(f"{path}: [nightly.regression] needs 0<alpha<1, margin_rel>=0, floor_abs>=0, "
+                                 f"n_boot>=100; got {rule}")
+    cells: list[Cell] = []
+    matrix = data.get("matrix")
+    if matrix is not None:
+        if set(matrix) - {"profiles", "flag_sets"}:
+            raise NightlyConfigError(f"{path}: [matrix] holds profiles and flag_sets only")
+        profiles = _strs(matrix.get("profiles", []), f"{path}: matrix.profiles")
+        flag_sets = matrix.get("flag_sets", [[]])
+        if not isinstance(flag_sets, list):
+            raise NightlyConfigError(f"{path}: matrix.flag_sets must be a list of lists of flag names")
+        for prof in profiles:
+            for i, fs in enumerate(flag_sets):
+                flags = _strs(fs, f"{path}: matrix.flag_sets[{i}]")
+                cells.append(Cell(cell_name(prof, flags), _resolve_profile(prof, base), flags))
+    for i, c in enumerate(data.get("cells", [])):
+        where = f"{path}: cells[{i}]"
+        if not isinstance(c, Mapping) or set(c) - {"name", "profile", "flags", "gates", "env"}:
+            raise NightlyConfigError(f"{where}: a cell holds name, profile, flags, gates, env")
+        if not isinstance(c.get("profile"), str):
+            raise NightlyConfigError(f"{where}: 'profile' (a profile name or .toml path) is required")
+        flags = _strs(c.get("flags", []), f"{where}.flags")
+        env = c.get("env", {})
+        if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+            raise NightlyConfigError(f"{where}.env must be a table of strings")
+        cells.append(Cell(str(c.get("name") or cell_name(c["profile"], flags)), _resolve_profile(c["profile"], base),
+                          flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env)))
+    if not cells:
+        raise NightlyConfigError(f"{path}: no cells: give [matrix] profiles or [[cells]]")
+    names = [c.name for c in cells]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise NightlyConfigError(f"{path}: duplicate cell name(s) {dup}")
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return NightlyConfig(str(name), path, "sha256:" + digest, tuple(cells), gates, registry, pytest_args,
+                         float(timeout), rule)
+
+
+def load_config(path: str | os.PathLike) -> NightlyConfig:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise NightlyConfigError(f"nightly config {p} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise NightlyConfigError(f"nightly config {p}: cannot read ({exc})") from None
+    return parse_config(data, str(p), p.resolve().parent)
+
+
+# --------------------------------------------------------------------------------------------- one cell
+
+def cell_argv(cfg: NightlyConfig, cell: Cell, cell_dir: Path, python: str = sys.executable) -> list[str]:
+    argv = [python, "-m", "pytest", *(cell.gates or cfg.gates), "-m", "gate", "-p", "no:cacheprovider",
+            "--engine-profile", cell.profile, "--results", str(cell_dir), "--junitxml", str(cell_dir / "junit.xml"),
+            "--per-prompt-metrics", "-rfE"]
+    for r in cfg.registry:
+        argv += ["--flag-registry", str(r if Path(r).is_absolute() else REPO_ROOT / r)]
+    for f in cell.flags:
+        argv += ["--flag", f]
+    return argv + list(cfg.pytest_args)
+
+
+def parse_junit(path: Path) -> list[H.GateOutcome]:
+    """junit XML (pytest's) → one GateOutcome per test case, id ``classname::name``."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        raise NightlyConfigError(f"{path}: cannot read junit XML ({exc})") from None
+    out = []
+    for case in root.iter("testcase"):
+        gate = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or (el.text or "")).strip()[:2000]
+                break
+        out.append(H.GateOutcome(gate, outcome, float(case.get("time") or 0.0), message))
+    return out
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def cell_metrics(results: Mapping[str, Any], per_prompt: Mapping[str, Any] | None) -> list[H.Metric]:
+    """What a cell's results.json / per_prompt.json hold, as history metrics (pure)."""
+    out: list[H.Metric] = []
+    kl = results.get("kl_panel") or {}
+    for key, value in sorted((kl.get("summary") or {}).items()):
+        out.append(H.Metric(f"kl_panel.{key}", _finite(value)))
+    for flag, slot in sorted((results.get("flag_ab") or {}).items()):
+        for gate, v in sorted(slot.get("gates", {}).items()):
+            for key in ("ratio", "mean_diff", "max_abs_diff"):
+                if key in v:
+                    out.append(H.Metric(f"flag_ab.{flag}.{gate}.{key}", _finite(v[key])))
+    for label, data in sorted(((per_prompt or {}).get("engines") or {}).items()):
+        vals = tuple(_finite(x) for x in data.get("kl_part", []))
+        finite = [x for x in vals if x is not None]
+        out.append(H.Metric(f"kl_part_prompt_mean[{label}]", float(np.mean(finite)) if finite else None, vals))
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise NightlyConfigError(f"{path}: unreadable JSON ({exc})") from None
+
+
+def collect_cell(cell: Cell, cell_dir: Path, pytest_exit: int, duration_s: float) -> H.CellRecord:
+    junit = cell_dir / "junit.xml"
+    gates = parse_junit(junit) if junit.exists() else []
+    if pytest_exit not in (0, 1) or not junit.exists():
+        gates.append(H.GateOutcome("nightly::cell_ran", "error", duration_s,
+                                   f"pytest exited {pytest_exit} (see {cell_dir / 'pytest.log'})"))
+    results = _read_json(cell_dir / "results.json")
+    per_prompt = _read_json(cell_dir / "per_prompt.json")
+    return H.CellRecord(cell.name, cell.profile, cell.flags, pytest_exit, duration_s, str(cell_dir), gates,
+                        cell_metrics(results, per_prompt), H.flag_verdicts_from_results(results, cell.name))
+
+
+Runner = Callable[[list[str], Mapping[str, str], Path, float], int]
+
+
+def subprocess_runner(argv: list[str], env: Mapping[str, str], log_path: Path, timeout_s: float) -> int:
+    """Run one cell's pytest; stdout+stderr to log_path; a time-out kills its process group (exit 124)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)  # pytest's atexit/SIGTERM hooks stop its engine servers
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return 124
+        except BaseException:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+
+
+# --------------------------------------------------------------------------------------------- comparison
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str      # regression | new-failure | error | fixed | missing
+    cell: str
+    name: str
+    detail: str
+
+    def line(self) -> str:
+        return f"[{self.kind}] {self.cell} :: {self.name} — {self.detail}"
+
+
+def paired_prompt_diff(base: Sequence[float | None], cur: Sequence[float | None], n_boot: int = 2000,
+                       seed: int = 0) -> dict[str, float]:
+    """Per-prompt paired differences cur − base (prompts missing on either side dropped)."""
+    from scipy import stats
+
+    if len(base) != len(cur):
+        raise ValueError(f"per-prompt series differ in length ({len(base)} vs {len(cur)}): the panel changed")
+    d = np.array([c - b for b, c in zip(base, cur) if b is not None and c is not None], dtype=np.float64)
+    bm = np.array([b for b, c in zip(base, cur) if b is not None and c is not None], dtype=np.float64)
+    if d.size == 0:
+        nan = float("nan")
+        return {"n": 0, "base_mean": nan, "diff_mean": nan, "ci_low": nan, "ci_high": nan, "p": nan}
+    rng = np.random.default_rng(seed)
+    boots = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
+    p = float(stats.wilcoxon(d).pvalue) if np.any(d != 0) else 1.0
+    return {"n": int(d.size), "base_mean": float(bm.mean()), "diff_mean": float(d.mean()),
+            "ci_low": float(np.quantile(boots, 0.025)), "ci_high": float(np.quantile(boots, 0.975)), "p": p}
+
+
+def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: RegressionRule,
+                 baseline_run: int | None = None) -> list[Finding]:
+    """Findings of one cell against its last green run (pure)."""
+    from engine.flag_ab import regression_rule
+
+    out: list[Finding] = []
+    base_gates = {g.gate: g for g in baseline.gates} if baseline else {}
+    ref = f"run {baseline_run}" if baseline_run is not None else "baseline"
+    for g in current.gates:
+        b = base_gates.get(g.gate)
+        if g.gate == "nightly::cell_ran" and g.failed:
+            out.append(Finding("error", current.cell, g.gate, g.message))
+        elif g.failed and b is not None and b.outcome == "passed":
+            out.append(Finding("regression", current.cell, g.gate, f"passed in {ref}, {g.outcome} now: "
+                               + (g.message.splitlines()[0][:300] if g.message else "")))
+        elif g.failed:
+            out.append(Finding("new-failure", current.cell, g.gate, (g.message.splitlines()[0][:300]
+                                                                     if g.message else g.outcome)))
+        elif b is not None and b.failed and g.outcome == "passed":
+            out.append(Finding("fixed", current.cell, g.gate, f"{b.outcome} in {ref}, passes now"))
+    now = {g.gate for g in current.gates}
+    for gate, b in base_gates.items():
+        if gate not in now and b.outcome == "passed":
+            out.append(Finding("missing", current.cell, gate, f"passed in {ref}, not run now"))
+    if baseline is not None:
+        base_m = {m.name: m for m in baseline.metrics if m.per_prompt is not None}
+        for m in current.metrics:
+            b = base_m.get(m.name)
+            if m.per_prompt is None or b is None:
+                continue
+            try:
+                pd = paired_prompt_diff(b.per_prompt, m.per_prompt, rule.n_boot)
+            except ValueError as exc:
+                out.append(Finding("error", current.cell, m.name, str(exc)))
+                continue
+            regressed, allowance, why = regression_rule(pd["ci_high"], pd["diff_mean"], pd["p"], pd["base_mean"],
+                                                        rule.floor_abs, rule.margin_rel, rule.alpha)
+            if regressed:
+                out.append(Finding("regression", current.cell, m.name,
+                                   f"{pd['base_mean']:.3g} in {ref} → {pd['base_mean'] + pd['diff_mean']:.3g} now "
+                                   f"over {pd['n']} prompts; {why}"))
+    return out
+
+
+def exit_code(findings: Sequence[Finding]) -> int:
+    kinds = {f.kind for f in findings}
+    if "regression" in kinds:
+        return EXIT_REGRESSION
+    if kinds & {"new-failure", "error"}:
+        return EXIT_FAILURES
+    return EXIT_GREEN
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+@dataclass
+class NightlyResult:
+    run_id: int
+    out_dir: Path
+    exit_code: int
+    status: str
+    findings: list[Finding]
+    cells: list[H.CellRecord]
+    baselines: dict[str, int | None]
+    plots: list[Path] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "regression"]
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _now() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = subprocess_runner,
+                only: Sequence[str] = (), echo: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> NightlyResult:
+    started = _now()
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = out_root / f"{cfg.name}-{stamp}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = out_root / f"{cfg.name}-{stamp}-{n}"
+    run_dir.mkdir(parents=True)
+    cells = [c for c in cfg.cells if not only or c.name in only]
+    if only and len(cells) != len(set(only)):
+        raise NightlyConfigError(f"unknown cell(s) {sorted(set(only) - {c.name for c in cfg.cells})}; "
+                                 f"cells: {[c.name for c in cfg.cells]}")
+    records: list[H.CellRecord] = []
+    for cell in cells:
+        cell_dir = run_dir / cell.name
+        cell_dir.mkdir(parents=True)
+        argv = cell_argv(cfg, cell, cell_dir)
+        env = {**os.environ, **cell.env, "DS41_NIGHTLY": "1"}
+        echo(f"nightly: cell {cell.name}: {' '.join(argv[1:])}")
+        t0 = time.monotonic()
+        code = runner(argv, env, cell_dir / "pytest.log", cfg.cell_timeout_s)
+        rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0)
+        echo(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
+             f"{sum(not g.failed for g in rec.gates)}/{len(rec.gates)} gates passed")
+        records.append(rec)
+    findings: list[Finding] = []
+    baselines: dict[str, int | None] = {}
+    for rec in records:
+        base = H.last_green_cell(db, rec.cell)
+        baselines[rec.cell] = base[0] if base else None
+        findings += compare_cell(base[1] if base else None, rec, cfg.rule, base[0] if base else None)
+    code = exit_code(findings)
+    status = {EXIT_GREEN: "green", EXIT_REGRESSION: "regression"}.get(code, "red")
+    if code == EXIT_GREEN and not all(r.green for r in records):
+        status, code = "red", EXIT_FAILURES
+    run_id = H.insert_run(db, started=started, finished=_now(), config_name=cfg.name, config_path=cfg.path,
+                          config_hash=cfg.content_hash, git_commit=_git_commit(), host=socket.gethostname(),
+                          status=status, exit_code=code, out_dir=str(run_dir), cells=records)
+    result = NightlyResult(run_id, run_dir, code, status, findings, records, baselines)
+    from reports.trends import plot_trends
+
+    try:
+        result.plots = plot_trends(db, run_dir / "trends")
+    except Exception as exc:  # a plot must never hide the verdict
+        echo(f"nightly: trend plots failed: {exc!r}")
+    write_summary(result, cfg)
+    return result
+
+
+def summary_data(result: NightlyResult, cfg: NightlyConfig) -> dict[str, Any]:
+    return {
+        "format": "ds41-nightly/1", "config": cfg.name, "config_path": cfg.path, "run_id": result.run_id,
+        "status": result.status, "exit_code": result.exit_code,
+        "cells": [{"cell": c.cell, "profile": c.profile, "flags": list(c.flags), "pytest_exit": c.pytest_exit,
+                   "duration_s": round(c.duration_s, 1), "green": c.green, "baseline_run": result.baselines.get(c.cell),
+                   "results_dir": c.results_dir,
+                   "gates": [dataclasses.asdict(g) for g in c.gates],
+                   "metrics": {m.name: m.value for m in c.metrics},
+                   "flag_verdicts": [dataclasses.asdict(v) for v in c.flag_verdicts]} for c in result.cells],
+        "findings": [dataclasses.asdict(f) for f in result.findings],
+        "plots": [str(p) for p in result.plots],
+    }
+
+
+def render_markdown(data: Mapping[str, Any]) -> str:
+    lines = [f"# Nightly {data['config']} — run {data['run_id']}: **{data['status'].upper()}** (exit {data['exit_code']})", ""]
+    regs = [f for f in data["findings"] if f["kind"] == "regression"]
+    if regs:
+        lines += ["## Regressions", ""] + [f"- `{f['cell']}` :: `{f['name']}` — {f['detail']}" for f in regs] + [""]
+    others = [f for f in data["findings"] if f["kind"] != "regression"]
+    if others:
+        lines += ["## Other findings", ""] + [f"- [{f['kind']}] `{f['cell']}` :: `{f['name']}` — {f['detail']}"
+                                              for f in others] + [""]
+    lines += ["## Cells", "", "| cell | profile | flags | gates passed | baseline run | time (s) | report |",
+              "|---|---|---|---|---|---|---|"]
+    for c in data["cells"]:
+        passed = sum(g["outcome"] == "passed" for g in c["gates"])
+        report = Path(c["results_dir"]) / "report.html"
+        lines.append(f"| {c['cell']} | {Path(c['profile']).name} | {' '.join(c['flags']) or '—'} | "
+                     f"{passed}/{len(c['gates'])} | {c['baseline_run'] or '—'} | {c['duration_s']} | "
+                     f"{report.name if report.exists() else '—'} |")
+    verdicts = [(c["cell"], v) for c in data["cells"] for v in c["flag_verdicts"]]
+    if verdicts:
+        lines += ["", "## Flag verdicts", "", "| cell | flag | class | gate | verdict | why |", "|---|---|---|---|---|---|"]
+        for cell, v in verdicts:
+            why = str(v["why"]).replace("|", "\\|")[:200]
+            lines.append(f"| {cell} | {v['flag']} | {v['cls']} | {v['gate']} | {'pass' if v['passed'] else 'FAIL'} | {why} |")
+    if data["plots"]:
+        lines += ["", "## Trends", ""] + [f"![{Path(p).stem}](trends/{Path(p).name})" for p in data["plots"]]
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_summary(result: NightlyResult, cfg: NightlyConfig) -> None:
+    data = summary_data(result, cfg)
+    _write_atomic(result.out_dir / "nightly.json", json.dumps(data, indent=2, default=str))
+    _write_atomic(result.out_dir / "nightly.md", render_markdown(data))
