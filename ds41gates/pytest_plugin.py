@@ -45,6 +45,8 @@ def _requires_engines() -> bool:
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     report = outcome.get_result()
+    if item.get_closest_marker("gate"):
+        _note_gate_outcome(item, call, report)
     if report.skipped and _requires_engines() and (item.get_closest_marker("engine") or item.get_closest_marker("gate")):
         _skipped_required.append(f"{item.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
 
@@ -66,6 +68,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(f"results: {run.out_dir / 'results.json'}")
         if paths is not None:
             terminalreporter.write_line(f"report:  {paths.html}")
+        else:
+            terminalreporter.write_line("report:  not written (no engine record: the engine never scored the panel)")
+        for nodeid in run.errored():
+            terminalreporter.write_line(f"ERRORED gate (neither passed nor failed): {nodeid}")
     if _skipped_required:
         terminalreporter.section("ds41-gates: engine/gate tests skipped while DS41_REQUIRE_ENGINES=1 (run fails)")
         for line in _skipped_required:
@@ -93,6 +99,7 @@ class GateRun:
     reference: Any = None
     panel_gates: list = dataclasses.field(default_factory=list)  # pipeline.PanelGateResult
     report_sections: dict[str, dict] = dataclasses.field(default_factory=dict)
+    outcomes: dict[str, dict] = dataclasses.field(default_factory=dict)   # nodeid -> outcome (see mark)
 
     def add(self, gate: str, data: dict) -> None:
         from ds41gates.pipeline import write_json_atomic
@@ -103,6 +110,17 @@ class GateRun:
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self.report_sections[title] = {"rows": rows, "note": note}
 
+    def mark(self, nodeid: str, outcome: dict) -> None:
+        """Record one gate's outcome (passed / failed / error / skipped) in results.json at once."""
+        from ds41gates.pipeline import write_json_atomic
+
+        self.outcomes[nodeid] = outcome
+        self.results[OUTCOMES_KEY] = dict(self.outcomes)
+        write_json_atomic(self.out_dir / "results.json", self.results)
+
+    def errored(self) -> list[str]:
+        return [n for n, o in self.outcomes.items() if o["outcome"] == "error"]
+
 
 def _opt(config: pytest.Config, name: str):
     return config.getoption(name)
@@ -112,8 +130,10 @@ def _opt(config: pytest.Config, name: str):
 def gate_run(request: pytest.FixtureRequest) -> GateRun:
     from ds41gates.pipeline import results_dir
 
-    run = GateRun(out_dir=results_dir(_opt(request.config, "--results")))
-    request.config._ds41_gate_run = run
+    run = getattr(request.config, "_ds41_gate_run", None)   # may exist already: see _note_gate_outcome
+    if run is None:
+        run = GateRun(out_dir=results_dir(_opt(request.config, "--results")))
+        request.config._ds41_gate_run = run
     return run
 
 
@@ -169,7 +189,11 @@ def engine_endpoint(request: pytest.FixtureRequest):
         import httpx
 
         root = url.rstrip("/").removesuffix("/v1")
-        listing = httpx.get(root + "/v1/models", timeout=30).json()
+        import os
+
+        key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        listing = httpx.get(root + "/v1/models", timeout=30, headers=headers).json()
         models = [m["id"] for m in listing.get("data", [])]
         if not models:
             raise pytest.UsageError(f"--engine-url {url}: /v1/models lists no model")
@@ -213,8 +237,56 @@ def _write_session_report(config: pytest.Config) -> None:
         return
     from ds41gates.pipeline import write_report
 
-    paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, run.report_sections)
+    sections = dict(run.report_sections)
+    if run.outcomes:
+        sections[OUTCOMES_TITLE] = _outcomes_section(run)
+    paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections)
     config._ds41_report = paths
+
+
+# --------------------------------------------------------------------------- gate outcomes (reliability, issue 9)
+# A gate whose test or fixture raised anything but an assertion *errored* (the engine died, hung, answered
+# malformed bytes): it neither passed nor failed. Each gate's outcome goes to results.json under
+# "gate_outcomes" the moment it is known (so a run killed later keeps it), and to a "Gate outcomes" section
+# of the session report; errored gates are named in the terminal summary too.
+
+OUTCOMES_KEY = "gate_outcomes"
+OUTCOMES_TITLE = "Gate outcomes"
+
+
+def _note_gate_outcome(item: pytest.Item, call, report) -> None:
+    if report.when == "setup" and report.passed:
+        return
+    run = getattr(item.config, "_ds41_gate_run", None)
+    if run is None:   # a gate that errored before the session's GateRun existed still gets a results.json
+        from ds41gates.pipeline import results_dir
+
+        run = item.config._ds41_gate_run = GateRun(out_dir=results_dir(_opt(item.config, "--results")))
+    prev = run.outcomes.get(item.nodeid)
+    if report.when == "teardown" and (report.passed or (prev and prev["outcome"] != "passed")):
+        return   # a clean teardown, or one after a failure/error already recorded, changes nothing
+    if report.skipped:
+        outcome = "skipped"
+    elif report.passed:
+        outcome = "passed"
+    elif report.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(
+            (AssertionError, pytest.fail.Exception)):
+        outcome = "failed"
+    else:
+        outcome = "error"
+    detail = None
+    if outcome in ("error", "failed", "skipped") and call.excinfo is not None:
+        detail = f"{call.excinfo.typename}: {str(call.excinfo.value)[:800]}"
+    run.mark(item.nodeid, {"gate": item.name, "outcome": outcome, "phase": report.when, "detail": detail})
+
+
+def _outcomes_section(run: GateRun) -> dict:
+    errored = run.errored()
+    note = (f"{len(errored)} gate(s) ERRORED: they neither passed nor failed, so this run is not a pass. "
+            if errored else "") + "error = the gate or its fixtures raised (engine died, hung, malformed answer)."
+    rows = [{"gate": o["gate"], "outcome": o["outcome"].upper() if o["outcome"] == "error" else o["outcome"],
+             "phase": o["phase"], "detail": o["detail"] or ""} for o in run.outcomes.values()]
+    return {"rows": rows, "note": note}
 
 
 # ============================================================================ flag A/B + nightly (issue 6)

@@ -443,7 +443,8 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
 
     One request per sequence (llama-server: one per prefix), at most ``max_concurrency`` in flight. vLLM
     requests carry a fresh random ``cache_salt`` each (``cache_salt`` may map seq_id → salt instead, e.g. to
-    study the prefix cache). The first failing sequence's error is raised after in-flight requests end.
+    study the prefix cache). The first failing sequence's error is raised after in-flight requests end; no
+    further sequence is sent once one has failed (a dead engine is not retried once per queued sequence).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -454,17 +455,30 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     stats = stats if stats is not None else ScoreStats()
     t0 = time.perf_counter()
 
+    failed = threading.Event()   # set by the first failing sequence: later ones are not sent at all
+
     def one(seq: _EncodedSequence) -> SequenceLogprobs:
+        if failed.is_set():
+            raise _NotSent(seq.seq_id)
         salt = cache_salt(seq.seq_id) if cache_salt is not None else None
-        return client.prompt_logprobs(list(seq.token_ids), k, seq_id=seq.seq_id, cache_salt=salt)
+        try:
+            return client.prompt_logprobs(list(seq.token_ids), k, seq_id=seq.seq_id, cache_salt=salt)
+        except BaseException:
+            failed.set()
+            raise
 
     results: list[SequenceLogprobs | None] = [None] * len(seqs)
     with _progress(progress, f"{client.adapter.name} · {encoded_panel.panel_name}", len(seqs)) as advance:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41-score") as pool:
             futures = [pool.submit(one, s) for s in seqs]
-            for i, fut in enumerate(futures):
-                results[i] = fut.result()
-                advance()
+            try:
+                for i, fut in enumerate(futures):
+                    results[i] = fut.result()
+                    advance()
+            except BaseException:
+                for f in futures:   # a dead engine must not be retried once per queued sequence
+                    f.cancel()
+                raise
     tb = time.perf_counter()
     scores = [to_sequence_scores(s, r) for s, r in zip(seqs, results)]
     surfaces = sorted({r.surface for r in results})
@@ -501,6 +515,10 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     stats.positions = record.n_positions
     stats.ambiguous = int(prov.extra["ambiguous_positions"])
     return record
+
+
+class _NotSent(Exception):
+    """A sequence skipped because an earlier one failed (its error, raised first, is the one reported)."""
 
 
 class _progress:

@@ -365,6 +365,38 @@ def resolve(
     )
 
 
+# ---------------------------------------------------------------------------------- secrets in logs
+
+_SECRET_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD", re.IGNORECASE)  # not --tokenizer, --max-num-batched-tokens
+REDACTED = "<redacted>"
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The env for the log header: values of names matching *KEY*/*TOKEN*/*SECRET*/*PASSWORD* hidden."""
+    return {k: (REDACTED if _SECRET_NAME.search(k) else v) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """argv for the log header: the value of ``--api-key X`` / ``--api_key=X`` (any secret-named option) hidden."""
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _ = a.partition("=")
+        if a.startswith("-") and _SECRET_NAME.search(name):
+            if eq:
+                out.append(f"{name}={REDACTED}")
+            else:
+                out.append(a)
+                hide_next = True
+            continue
+        out.append(a)
+    return out
+
+
 # ---------------------------------------------------------------------------------- process groups
 
 
@@ -521,7 +553,7 @@ class EngineServer:
         with open(spec.log_path, "ab") as log:
             header = (
                 f"# ds41 engine launcher {time.strftime('%Y-%m-%dT%H:%M:%S')} profile={spec.profile} "
-                f"flags={list(spec.flags)}\n# env: {dict(spec.env)}\n# argv: {list(spec.argv)}\n"
+                f"flags={list(spec.flags)}\n# env: {redact_env(spec.env)}\n# argv: {redact_argv(spec.argv)}\n"
             )
             log.write(header.encode())
             log.flush()
@@ -563,7 +595,7 @@ class EngineServer:
             if code is not None:
                 raise EngineStartError(
                     f"engine {spec.profile!r} exited with code {code} while starting "
-                    f"(after {time.monotonic() - t0:.1f} s); argv {list(spec.argv)}\n"
+                    f"(after {time.monotonic() - t0:.1f} s); argv {redact_argv(spec.argv)}\n"
                     f"--- last lines of {spec.log_path} ---\n{log_tail(spec.log_path)}"
                 )
             try:

@@ -1,0 +1,219 @@
+"""Reliability-suite helpers: a canned-body HTTP server, exact references for it, gate sessions in a subprocess.
+
+The canned server is the one place a fake engine is right: it serves exactly the bytes a test scripts
+(malformed bodies, 5xx, hostile text) and records every request with its headers and arrival time, so
+retries, backoff and the ``Authorization`` header can be checked from the server's side. Well-formed
+answers reuse the vLLM 0.32 shapes of ``tests/test_client_malformed.py`` (``vllm_prompt_response``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ds41gates.records import Provenance, Record, SequenceScores
+from tests.test_client_malformed import VOCAB, distribution, vllm_prompt_response
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ============================================================================================ canned server
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    t: float                      # time.monotonic() at arrival
+
+
+@dataclass
+class Canned:
+    status: int = 200
+    body: bytes | str | Any = b""
+    content_type: str = "application/json"
+
+    def raw(self) -> bytes:
+        b = self.body
+        if not isinstance(b, (bytes, str)):
+            b = json.dumps(b)
+        return b.encode() if isinstance(b, str) else b
+
+
+class CannedServer:
+    """ThreadingHTTPServer on 127.0.0.1; ``routes[path](Seen) -> Canned``; unknown paths answer 404."""
+
+    def __init__(self, require_key: str | None = None):
+        self.routes: dict[str, Callable[[Seen], Canned]] = {}
+        self.seen: list[Seen] = []
+        self.require_key = require_key
+        self._lock = threading.Lock()
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _serve(self):
+                n = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    body = raw
+                req = Seen(self.command, self.path.split("?")[0], {k.lower(): v for k, v in self.headers.items()},
+                           body, time.monotonic())
+                with outer._lock:
+                    outer.seen.append(req)
+                if outer.require_key is not None and req.headers.get("authorization") != f"Bearer {outer.require_key}":
+                    reply = Canned(401, {"error": {"message": "missing or wrong API key"}})
+                else:
+                    handler = outer.routes.get(req.path)
+                    reply = handler(req) if handler else Canned(404, {"error": {"message": "no route"}})
+                data = reply.raw()
+                self.send_response(reply.status)
+                self.send_header("content-type", reply.content_type)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+
+            do_GET = do_POST = _serve
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def requests_to(self, path: str) -> list[Seen]:
+        with self._lock:
+            return [s for s in self.seen if s.path == path]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> "CannedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_vllm(server: CannedServer, model: str) -> None:
+    """Well-formed vLLM answers: /v1/models lists ``model``; prompt logprobs from the fake distribution."""
+    server.routes["/v1/models"] = lambda r: Canned(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+    server.routes["/v1/completions"] = lambda r: Canned(
+        200, vllm_prompt_response(r.body["prompt"], r.body["prompt_logprobs"], model=model))
+
+
+# ============================================================================================ references
+def exact_reference(seqs: list[tuple[str, str, list[int]]], panel_name: str = "reliability",
+                    panel_hash: str = "sha256:" + "e" * 64, tokenizer_hash: str = "sha256:" + "f" * 64) -> Record:
+    """An oracle record of the canned engine's own distribution (full vocabulary): the KL panel gate passes."""
+    out = []
+    for sid, dom, ids in seqs:
+        ids = np.asarray(ids, dtype=np.int64)
+        assert ids.max() < VOCAB
+        full = np.stack([distribution(tuple(int(t) for t in ids[:i])) for i in range(1, ids.size)])
+        order = np.lexsort((np.broadcast_to(np.arange(VOCAB), full.shape), -full), axis=-1)
+        actual = ids[1:]
+        act_lp = full[np.arange(actual.size), actual]
+        rank = 1 + (full > act_lp[:, None]).sum(axis=1)
+        scored = np.ones(ids.size, dtype=bool)
+        scored[0] = False
+        lse = np.zeros(actual.size)
+        out.append(SequenceScores(sid, dom, ids, scored, order, np.take_along_axis(full, order, 1), act_lp, rank,
+                                  logsumexp=lse))
+    prov = Provenance(side="oracle", panel_name=panel_name, panel_version="1", panel_hash=panel_hash,
+                      tokenizer_hash=tokenizer_hash, source={"oracle": "canned distribution"}, precision="fp64",
+                      created=Provenance.now())
+    return Record.from_sequences(prov, out, k=VOCAB)
+
+
+def plain_sequences(n: int = 4, length: int = 12) -> list[tuple[str, str, list[int]]]:
+    return [(f"s{i}", ("code", "prose")[i % 2], [(7 * i + 3 * j + 1) % VOCAB for j in range(length)])
+            for i in range(n)]
+
+
+# ============================================================================================ gate sessions
+@dataclass
+class GateSession:
+    returncode: int
+    output: str
+    results_dir: Path
+    results: dict | None = None
+    wall_s: float = 0.0
+    files: list[Path] = field(default_factory=list)
+
+    def outcome(self, gate: str) -> dict:
+        outs = (self.results or {}).get("gate_outcomes", {})
+        hits = [o for o in outs.values() if o["gate"] == gate]
+        assert len(hits) == 1, (gate, outs, self.output[-3000:])
+        return hits[0]
+
+
+def gate_session_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def run_gate_session(work: Path, source: str, *, reference: Path, engine_url: str,
+                     profile: str = "vllm-cpu-fp32", env: dict[str, str] | None = None,
+                     timeout: float = 300, popen_hook: Callable[[subprocess.Popen], None] | None = None) -> GateSession:
+    """Run the gate files ``source`` (pytest code) as a real gate session in a subprocess, as CI would.
+
+    ``popen_hook(proc)`` runs while the session is in progress (e.g. to kill the engine mid-gate)."""
+    work.mkdir(parents=True, exist_ok=True)
+    test_file = work / "test_gate_session.py"
+    test_file.write_text(source)
+    results = work / "results"
+    cmd = [sys.executable, "-m", "pytest", "-p", "ds41gates.pytest_plugin", "-p", "no:cacheprovider", "-q",
+           "-rA", str(test_file), "--engine-url", engine_url, "--engine-profile", profile,
+           "--reference", str(reference), "--results", str(results)]
+    t0 = time.monotonic()
+    log = work / "session.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=str(REPO), env=env or gate_session_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            if popen_hook is not None:
+                popen_hook(proc)
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    res_file = results / "results.json"
+    return GateSession(proc.returncode, log.read_text(errors="replace"), results,
+                       json.loads(res_file.read_text()) if res_file.exists() else None,
+                       time.monotonic() - t0, sorted(p for p in results.rglob("*") if p.is_file()) if results.exists() else [])
+
+
+def files_containing(paths, needle: str) -> list[Path]:
+    """Every file under ``paths`` (files or folders) whose bytes contain ``needle`` (also JSON-escaped)."""
+    forms = {needle.encode(), json.dumps(needle)[1:-1].encode()}
+    hits = []
+    for root in paths:
+        root = Path(root)
+        for p in ([root] if root.is_file() else sorted(root.rglob("*"))):
+            if p.is_file():
+                data = p.read_bytes()
+                if any(f in data for f in forms):
+                    hits.append(p)
+    return hits
