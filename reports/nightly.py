@@ -414,6 +414,7 @@ def _now() -> str:
 def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = subprocess_runner,
                 only: Sequence[str] = (), echo: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> NightlyResult:
     started = _now()
+    db, out_root = Path(db).resolve(), Path(out_root).resolve()  # the cells' pytest runs in the repo root
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = out_root / f"{cfg.name}-{stamp}"
     n = 1

@@ -216,3 +216,44 @@ def test_shipped_nightly_configs_parse():
         for c in cfg.cells:
             if c.profile.endswith(".toml"):
                 assert Path(c.profile).exists(), c.profile
+
+
+# ------------------------------------------------------------------------------------------ real engine
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
+    """The whole flow on vLLM CPU (4 launches): nightly/cpu-smoke.toml is green (KL panel + the exact flag
+    no_prefix_cache bit-identical); then tonight's build (the flag now also switches to bf16) is a
+    regression against that green baseline, named, exit 1; `ds41gate flags` shows the flag's new FAIL."""
+    from ds41gates.cli import app
+
+    db, out = tmp_path / "history.sqlite", tmp_path / "runs"
+    runner = CliRunner()
+    green = runner.invoke(app, ["nightly", str(REPO / "nightly/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
+    run1 = H.runs(db)[0]
+    cell1 = H.load_cell(db, run1.id, "cpu-fp32")
+    assert green.exit_code == 0, green.output + (Path(cell1.results_dir) / "pytest.log").read_text()[-4000:]
+    gates1 = {g.gate.split("::")[-1]: g.outcome for g in cell1.gates}
+    assert gates1 == {"test_kl_panel_per_domain": "passed", "test_flag_registered[no_prefix_cache]": "passed",
+                      "test_flag_gate[no_prefix_cache-bitwise_panel]": "passed",
+                      "test_flag_gate[no_prefix_cache-bitwise_greedy]": "passed"}
+    metrics1 = {m.name: m for m in cell1.metrics}
+    assert metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].value < 1e-4
+    # exact flag: the on-record is bit-identical, hence the same per-prompt KL
+    assert (metrics1["kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]"].per_prompt
+            == metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].per_prompt)
+
+    injected = runner.invoke(app, ["nightly", str(REPO / "tests/data/nightly/cpu-injected.toml"), "--db", str(db),
+                                   "--out", str(out)])
+    assert injected.exit_code == N.EXIT_REGRESSION, injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_panel]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_greedy]" in injected.output
+    assert "[regression] cpu-fp32 :: kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]" in injected.output
+    assert "test_kl_panel_per_domain" not in injected.output      # the flag-off engine did not change
+    run2 = H.runs(db)[0]
+    assert run2.status == "regression" and (Path(run2.out_dir) / "trends" / "gates.png").exists()
+
+    listed = runner.invoke(app, ["flags", "-r", str(REPO / "gates/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
+    verdict = {r["name"]: r["last_verdict"] for r in json.loads(listed.output)}["no_prefix_cache"]
+    assert verdict["run_id"] == run2.id and verdict["passed"] is False
