@@ -71,10 +71,12 @@ class EngineResponseError(EngineError):
         loc = (" at " + ", ".join(where)) if where else ""
         super().__init__(f"malformed engine response [{self.kind.value}]{loc}: {detail}")
 
-    def at(self, seq_id: str | None = None, url: str | None = None) -> "EngineResponseError":
-        """A copy with the sequence id / url filled in (parsers often do not know them)."""
+    def at(self, seq_id: str | None = None, url: str | None = None,
+           position: int | None = None) -> "EngineResponseError":
+        """A copy with the sequence id / url / position filled in where missing (parsers may not know them)."""
         return EngineResponseError(self.kind, self.detail, self.seq_id if self.seq_id is not None else seq_id,
-                                   self.position, self.url if self.url is not None else url)
+                                   self.position if self.position is not None else position,
+                                   self.url if self.url is not None else url)
 
 
 class EngineTransportError(EngineError):

@@ -27,7 +27,9 @@ missing actual value is an ``actual_missing`` error.
 
 Keys are decoded strings: each is mapped to ids with the engine's own ``/extras/tokenize`` (cached), and
 a position is marked *ambiguous* (rule 2) when a key does not map to exactly one id, two keys map to one
-id, the key count shows a collision (fewer than k), or the actual token's string does not map back to it.
+id, the key count shows a collision (fewer than k; or k keys where the appended previous-token key is the
+smallest, which a collision and a rank-k previous token both produce), or the actual token's string does
+not map back to it.
 Ambiguous positions keep their unambiguous entries; their actual rank is 0. Ranks from the full
 distribution are given only when that distribution had no key collision.
 """
@@ -145,7 +147,7 @@ class LlamaServerAdapter:
                 (_, _, top_ids, top_lps), = parse_completion_probs(reply.data, i, 1, k, self._model(transport), seq_id,
                                                                    self.vocab_size, i)
             except EngineResponseError as exc:
-                raise exc.at(seq_id, reply.url) from None
+                raise exc.at(seq_id, reply.url, i) from None
             actual = ids[i]
             if actual in top_ids:
                 j = top_ids.index(actual)
@@ -333,6 +335,11 @@ class LlamaCppPythonAdapter:
                     raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
                 if len(keys) == k + 1:
                     del keys[extra_key]          # the appended previous-token key is not a top-k member
+                elif len(keys) == k and k > 1 and keys[extra_key] <= min(v for x, v in keys.items() if x != extra_key):
+                    # either the previous token is exactly rank k, or it sits outside the top-k and a key
+                    # collision lost one member: the two look the same, so the position is ambiguous
+                    del keys[extra_key]
+                    ambiguous = True
             if len(keys) < k:
                 ambiguous = True
             mapped, amb = self._map_keys(transport, seq_id, keys)
