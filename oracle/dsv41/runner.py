@@ -256,6 +256,29 @@ def _fault(point: str, stage: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _Malloc:
+    """glibc knobs that make freed weights leave the process. By default glibc raises its mmap threshold to
+    the size of the last freed mmapped block (up to 32 MiB), after which a layer's MiB-sized tensors come from
+    the heap and stay resident after `del` (measured: +30 % RSS above one layer). A fixed threshold keeps
+    every large tensor in its own mapping, returned to the OS when freed; malloc_trim releases the rest."""
+
+    M_MMAP_THRESHOLD = -3
+
+    def __init__(self):
+        import ctypes
+        import ctypes.util
+
+        try:
+            self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            self.libc.mallopt(self.M_MMAP_THRESHOLD, 256 << 10)
+        except (OSError, AttributeError):  # not glibc: nothing to tune
+            self.libc = None
+
+    def trim(self) -> None:
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+
+
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -532,6 +555,8 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
     for p in work.glob("acts-*.bin"):  # files of stages the manifest does not name: uncommitted, recomputed
         if manifest is None or p.name != manifest["acts"]:
             p.unlink()
+    malloc = _Malloc()
+    malloc.trim()
     stats.baseline_rss_kib = _status_kib("VmRSS")
     _reset_peak_rss()
     bar = _Progress(opts.progress, n_stages + 1, len(seqs))
@@ -550,6 +575,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                     w, nbytes = _load_layer(ck, L, opts.device)
                     step = _layer_step(Block(cfg, L, opts.index_k).load(w),
                                        Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None, hasher, opts)
+                _release_file_handles(ck)  # the shards' mapped pages are not needed once decoded
                 stats.read_s += time.perf_counter() - t
                 if nbytes > stats.largest_stage_weight_bytes:
                     stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
@@ -590,6 +616,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                 _release_file_handles(ck)
                 if nbytes > 1 << 28:  # big stages only: a full collection costs ~0.4 s with torch loaded
                     gc.collect()
+                malloc.trim()
             record = _head_stage(ck, panel, reader, opts, stats, bar, loaded)
     finally:
         bar.close()
