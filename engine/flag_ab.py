@@ -30,10 +30,12 @@ class BitwiseResult:
     mismatches: tuple[str, ...] = ()    # the first few, human-readable
     n_mismatches: int = 0
     max_abs_diff: float = 0.0           # over logprob values at positions whose ids agree
+    ids_identical: bool = True          # every id (actual / greedy / top-k) agrees; only values may differ
 
     def as_dict(self) -> dict[str, Any]:
         return {"what": self.what, "identical": self.identical, "compared": self.compared,
                 "n_mismatches": self.n_mismatches, "max_abs_diff": self.max_abs_diff,
+                "ids_identical": self.ids_identical,
                 "mismatches": list(self.mismatches)}
 
 
@@ -54,7 +56,8 @@ def compare_records_bitwise(off, on) -> BitwiseResult:
     """Two engine records of the same panel: every id and every logprob value identical."""
     if list(off.seq_ids) != list(on.seq_ids) or not np.array_equal(off.token_ids, on.token_ids) \
             or not np.array_equal(off.scored, on.scored):
-        return BitwiseResult("panel", False, 0, ("the records score different sequences / tokens",), 1, math.inf)
+        return BitwiseResult("panel", False, 0, ("the records score different sequences / tokens",), 1, math.inf,
+                             False)
     problems: list[str] = []
     n_bad = 0
     k = min(off.topk_ids.shape[1], on.topk_ids.shape[1])
@@ -76,17 +79,19 @@ def compare_records_bitwise(off, on) -> BitwiseResult:
     agree = ids_ok
     max_diff = _finite_diff(off.topk_logprobs[agree, :k], on.topk_logprobs[agree, :k]) if agree.any() else 0.0
     max_diff = max(max_diff, _finite_diff(off.actual_logprob, on.actual_logprob))
-    return BitwiseResult("panel", n_bad == 0, int(off.n_positions), tuple(problems), n_bad, max_diff)
+    ids_same = bool(ids_ok.all() and np.array_equal(off.actual_rank, on.actual_rank))
+    return BitwiseResult("panel", n_bad == 0, int(off.n_positions), tuple(problems), n_bad, max_diff, ids_same)
 
 
 def compare_generations(off: Sequence, on: Sequence) -> BitwiseResult:
     """Greedy generations (engine.adapters.base.Generation) of the same prompts: ids and top-k identical."""
     if len(off) != len(on):
-        return BitwiseResult("greedy", False, 0, (f"{len(off)} generations off vs {len(on)} on",), 1, math.inf)
+        return BitwiseResult("greedy", False, 0, (f"{len(off)} generations off vs {len(on)} on",), 1, math.inf, False)
     problems: list[str] = []
     n_bad = 0
     compared = 0
     max_diff = 0.0
+    ids_same = True
     for a, b in zip(off, on):
         if a.seq_id != b.seq_id or tuple(a.prompt_ids) != tuple(b.prompt_ids):
             raise ValueError(f"generation pairs out of order: {a.seq_id!r} vs {b.seq_id!r}")
@@ -103,18 +108,20 @@ def compare_generations(off: Sequence, on: Sequence) -> BitwiseResult:
                     bool(_same_floats(np.array([pa.actual_logprob]), np.array([pb.actual_logprob]))[0]))
             if pa.top_ids == pb.top_ids:
                 max_diff = max(max_diff, _finite_diff(np.array(pa.top_logprobs), np.array(pb.top_logprobs)))
+            ids_same = ids_same and pa.top_ids == pb.top_ids
             if not same:
                 n_bad += 1
                 if len(problems) < MAX_LISTED:
                     what = "top-k ids" if pa.top_ids != pb.top_ids else "logprob values"
                     problems.append(f"{a.seq_id} step {j}: {what} differ")
         if first is not None:
+            ids_same = False
             n_bad += 1
             if len(problems) < MAX_LISTED:
                 problems.append(f"{a.seq_id}: greedy ids diverge at step {first} "
                                 f"({a.token_ids[first] if first < len(a.token_ids) else 'end'} off vs "
                                 f"{b.token_ids[first] if first < len(b.token_ids) else 'end'} on)")
-    return BitwiseResult("greedy", n_bad == 0, compared, tuple(problems), n_bad, max_diff)
+    return BitwiseResult("greedy", n_bad == 0, compared, tuple(problems), n_bad, max_diff, ids_same)
 
 
 @dataclass(frozen=True)

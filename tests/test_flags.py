@@ -173,8 +173,9 @@ def test_compare_generations_bitwise():
                                          _gen("b", (8, 9))])
     assert not one_ulp.identical and one_ulp.n_mismatches == 1
     assert "a step 1: logprob values differ" in one_ulp.mismatches[0] and 0 < one_ulp.max_abs_diff < 1e-15
+    assert one_ulp.ids_identical
     div = ab.compare_generations(a, [_gen("a", (5, 6, 99)), _gen("b", (8, 9))])
-    assert not div.identical and any("diverge at step 2" in m for m in div.mismatches)
+    assert not div.identical and any("diverge at step 2" in m for m in div.mismatches) and not div.ids_identical
     short = ab.compare_generations(a, [_gen("a", (5, 6)), _gen("b", (8, 9))])
     assert not short.identical
     with pytest.raises(ValueError, match="out of order"):
@@ -196,7 +197,7 @@ def test_compare_records_bitwise():
     bumped = [q.copy() for q in qs]
     bumped[1][2, :] = np.nextafter(bumped[1][2, :], 0)  # one position, one ulp everywhere
     res = ab.compare_records_bitwise(same, _record_from(bumped, tokens))
-    assert not res.identical and res.n_mismatches == 1 and res.mismatches[0].startswith("s1@3")
+    assert not res.identical and res.n_mismatches == 1 and res.mismatches[0].startswith("s1@3") and res.ids_identical
     other = _record_from(qs[:2], tokens[:2])
     assert not ab.compare_records_bitwise(same, other).identical
 
