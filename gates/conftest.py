@@ -8,7 +8,6 @@ DS41_GATES_CONFIG (e.g. gates/config-production.toml), whose tables replace the 
 from __future__ import annotations
 
 import os
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,16 +57,24 @@ def engine_facts(engine_client) -> dict[str, Any]:
             "prefix_caching": info.get("enable_prefix_caching"), "cache_config": info}
 
 
-@pytest.fixture(scope="session")
-def gate_timings(gate_results):
-    """Per-gate wall times, kept in results.json under 'gate_timings'."""
-    timings: dict[str, float] = {}
-    yield timings
-    gate_results.add("gate_timings", dict(timings))
+# ---------------------------------------------------------------- per-gate wall times (setup + call + teardown)
+# Module fixtures (the requests of a gate, a spec-decode server launch) run in the setup of a gate file's
+# first test; the session server's start lands in the setup of the first test that needs it.
+_durations: dict[str, float] = {}
 
 
-@pytest.fixture()
-def timed(request, gate_timings):
-    t0 = time.perf_counter()
-    yield
-    gate_timings[request.node.name] = round(time.perf_counter() - t0, 2)
+def pytest_runtest_logreport(report) -> None:
+    if report.nodeid.startswith("gates/"):
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    run = getattr(session.config, "_ds41_gate_run", None)
+    if run is not None and _durations:
+        per_file: dict[str, float] = {}
+        for nodeid, d in _durations.items():
+            f = nodeid.split("::")[0]
+            per_file[f] = per_file.get(f, 0.0) + d
+        run.add("gate_timings", {"per_test_s": {k: round(v, 2) for k, v in _durations.items()},
+                                 "per_gate_file_s": {k: round(v, 2) for k, v in per_file.items()}})
+

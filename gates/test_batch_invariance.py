@@ -42,7 +42,10 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
     n, k = cfg["max_tokens"], cfg["k"]
     c = engine_client
     go = lambda ids, sid: (lambda: _engine.complete(c, ids, n, k, seq_id=sid))
-    comps = [_companion(gate_tokenizer, L, i) for i, L in enumerate(cfg["companion_lengths"])]
+    from panels.bench import encode_chat_prompt, load_bench
+
+    short = encode_chat_prompt(gate_tokenizer, load_bench().acceptance_domain("chat")[0].text)
+    comps = [short] + [_companion(gate_tokenizer, L, i) for i, L in enumerate(cfg["companion_lengths"])]
     long_comp = _companion(gate_tokenizer, cfg["mid_decode_companion_tokens"], 99)
     out: list[batch.Comparison] = []
     solos = {}
@@ -78,7 +81,7 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
     return out, solos
 
 
-def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config, timed):
+def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config):
     comparisons, _ = batch_runs
     res = batch.judge(comparisons)
     gate_results.add("batch_invariance", {"profile": engine_endpoint.profile, "passed": res.passed,
@@ -94,19 +97,23 @@ def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config
     assert res.passed, "batch invariance gate failed:\n" + "\n".join(res.failures)
 
 
-def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_config, timed):
-    """Violation: a 'copy' that is really a different request (one prompt token changed) must be reported
-    as a mismatch with its first diverging position; a truncated output must never count as equal."""
+def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_config, gate_tokenizer,
+                                                gate_results):
+    """Violation: a 'copy' that is really a different request (the same class's other bench prompt) must be
+    reported as a mismatch with its first diverging position; a truncated output must never count as equal."""
+    from panels.bench import encode_chat_prompt, load_bench
+
     cfg = gate_config["batch"]
     _, solos = batch_runs
     name, (ids, solo) = next(iter(solos.items()))
-    changed = list(ids)
-    mid = len(changed) // 2
-    changed[mid] = (changed[mid] + 1) % 49152
+    changed = encode_chat_prompt(gate_tokenizer, load_bench().decode_class(name)[1].text)
+    assert tuple(changed) != tuple(ids)
     other = _engine.complete(engine_client, changed, cfg["max_tokens"], cfg["k"], seq_id="changed")
     cmp = batch.compare("changed request", name, solo, _out(other))
     truncated = batch.compare("truncated", name, solo, batch.Output(solo.ids[:-3], solo.steps[:-3]))
     res = batch.judge([cmp, truncated])
+    gate_results.add("batch_invariance_violation", {"detected": not res.passed, "failures": res.failures,
+                                                     "comparisons": res.rows})
     assert not res.passed
     assert cmp.first_divergence is not None and not cmp.equal_ids, "a changed prompt gave identical ids"
     assert truncated.first_divergence == len(solo.ids) - 3

@@ -77,7 +77,7 @@ def _heatmap_png(cells, path):
     plt.close(fig)
 
 
-def test_needles(needle_runs, engine_endpoint, gate_results, gate_config, timed):
+def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
     r = needle_runs
     res = needles.judge(r["cells"], r["burst"])
     png = gate_results.out_dir / "needles_heatmap.png"
@@ -94,7 +94,7 @@ def test_needles(needle_runs, engine_endpoint, gate_results, gate_config, timed)
     assert res.passed, "needle gate failed:\n" + "\n".join(res.failures)
 
 
-def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config, gate_tokenizer, timed):
+def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config, gate_tokenizer, gate_results):
     """Violation: the filler alone (the needle paragraph cut out of a real haystack) cannot yield the
     passphrase; the gate must report the cell as missed, and judge must fail."""
     from panels.needles import build_haystack
@@ -111,5 +111,6 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     gen = _engine.complete(engine_client, cut, cfg["max_tokens"], 1, ignore_eos=False, seq_id="needle-cut")
     cell = needles.Cell(case.length, case.depth, case.seed, len(cut), hay.actual_depth, hay.passphrase, gen.text)
     res = needles.judge([cell])
+    gate_results.add("needles_violation", {"detected": not res.passed, "cell": cell.as_row(), "failures": res.failures})
     assert not cell.passed and not res.passed
     assert "needle missed" in res.failures[0]

@@ -96,7 +96,7 @@ def prefix_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
             "skipped": skipped, "cases": kept, "labels": labels}
 
 
-def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config, timed):
+def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config):
     r = prefix_runs
     res = prefix.judge(r["verdicts"])
     gate_results.add("prefix_cache", {"profile": engine_endpoint.profile, "passed": res.passed,
@@ -112,7 +112,7 @@ def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config, t
     assert res.passed, "prefix cache gate failed:\n" + "\n".join(res.failures)
 
 
-def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_client, gate_config, timed):
+def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_client, gate_config, gate_results):
     """Violations on the live server: (a) a warm request whose prompt differs from the cold one after the
     cached prefix (a real output mismatch) must be FAIL or CORRUPT; (b) a 'warm' request under a fresh
     salt has cached_tokens 0, and the gate must call it INVALID (no hit proven), never PASS."""
@@ -127,6 +127,7 @@ def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_clien
     assert v.verdict in prefix.BAD and v.verdict != "INVALID", v
     unsalted = _run(engine_client, case["test"], cfg)      # fresh salt: nothing can be served from cache
     v2 = prefix.classify(case["case"] + " (fresh salt)", cold, unsalted, case["expected"], prefix_runs["kl_tol"])
+    gate_results.add("prefix_cache_violation", {"mismatch": v.as_row(), "fresh_salt": v2.as_row()})
     assert unsalted.cached_tokens == 0
     assert v2.verdict == "INVALID" and "no hit proven" in v2.reason, v2
     assert not prefix.judge([("violation", v), ("violation", v2)]).passed

@@ -51,7 +51,7 @@ def _band(cfg) -> sc.Band:
                    cfg["min_positions"])
 
 
-def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results, timed):
+def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results):
     cfg = gate_config["selfconsistency"]
     res = sc.judge(sc_runs, _band(cfg), block=engine_facts["block_size"])
     gate_results.add("self_consistency", {"profile": engine_endpoint.profile, "passed": res.passed,
@@ -67,7 +67,7 @@ def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, g
     assert res.passed, "self-consistency gate failed:\n" + "\n".join(res.failures)
 
 
-def test_self_consistency_detects_wrong_context(sc_runs, engine_client, gate_config, gate_tokenizer, timed):
+def test_self_consistency_detects_wrong_context(sc_runs, engine_client, gate_config, gate_tokenizer, gate_results):
     """Violation: the decode steps of prompt A against a prefill that scores the same generated ids after
     another prompt's context (what a decode path reading the wrong KV looks like). The gate must fail."""
     cfg = gate_config["selfconsistency"]
@@ -78,5 +78,7 @@ def test_self_consistency_detects_wrong_context(sc_runs, engine_client, gate_con
     wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg["k"])
     bad = sc.PromptRuns(a.prompt_id + "+wrong-context", a.domain, a.prompt_len, a.decode, (wrong, wrong))
     res = sc.judge([bad], _band(cfg))
+    gate_results.add("self_consistency_violation", {"case": bad.prompt_id, "detected": not res.passed,
+                                                    "failures": res.failures, "summary": res.summary})
     assert not res.passed
     assert any("mean KL_part" in f for f in res.failures), res.failures

@@ -85,7 +85,7 @@ def spec_runs(spec_client, engine_client, gate_config, gate_tokenizer):
     return {"checks": checks, "acceptance": acceptance, "plain": plain_out}
 
 
-def test_speculative_decoding(spec_runs, engine_endpoint, gate_results, gate_config, timed):
+def test_speculative_decoding(spec_runs, engine_endpoint, gate_results, gate_config):
     cfg = gate_config["specdec"]
     res = specdec.judge(spec_runs["checks"], spec_runs["acceptance"], strict=cfg["strict"])
     gate_results.add("speculative_decoding", {"profile": engine_endpoint.profile, "passed": res.passed,
@@ -102,7 +102,7 @@ def test_speculative_decoding(spec_runs, engine_endpoint, gate_results, gate_con
     assert res.passed, "speculative decoding gate failed:\n" + "\n".join(res.failures)
 
 
-def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, timed):
+def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, gate_results):
     """Violation: drafted output of a different request (another domain's prompt) against a prompt's plain
     greedy output must fail L1; counters that show drafts without draft tokens must fail draft health."""
     cfg = gate_config["specdec"]
@@ -114,6 +114,7 @@ def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, timed
     assert not bad.equal and bad.first_divergence is not None
     empty = specdec.Acceptance("synthetic", specdec.Counters(10, 0, 0, (0, 0, 0)), cfg["num_speculative_tokens"])
     res = specdec.judge([bad], [empty], strict=True)
+    gate_results.add("speculative_decoding_violation", {"detected": not res.passed, "failures": res.failures})
     assert not res.passed
     assert any("differs from plain greedy" in f for f in res.failures)
     assert any("empty drafts" in f for f in res.failures)

@@ -119,7 +119,7 @@ def _medians(r: dict) -> dict[str, float]:
     return out
 
 
-def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config, timed):
+def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
     from ds41gates.pipeline import write_json_atomic
 
     r = bench_result
@@ -149,7 +149,7 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config, t
     assert not regress, "speed regression:\n" + "\n".join(regress)
 
 
-def test_speed_bench_refuses_cached_prefill(engine_client, gate_tokenizer, timed):
+def test_speed_bench_refuses_cached_prefill(engine_client, gate_tokenizer):
     """Violation: a prefill prompt sent twice under one salt is served from the prefix cache on the second
     send; that measurement must be refused, not reported as a (too fast) prefill speed."""
     import uuid
