@@ -49,6 +49,19 @@ def group_rss_mb(pgid: int) -> float:
     return total / 1024
 
 
+def group_pss_mb(pgid: int) -> float:
+    """Proportional set size summed over the group: shared pages counted once overall."""
+    total = 0
+    for pid in group_members(pgid):
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
 def canary_vllm(base: str) -> dict:
     t0 = time.monotonic()
     r = _post(base + "/v1/completions", {"model": "smollm2", "prompt": IDS, "max_tokens": 1, "temperature": 0,
@@ -77,15 +90,16 @@ def canary_llamacpp(base: str) -> dict:
     }
 
 
-def run_one(name: str, cold: bool) -> dict:
+def run_one(name: str, cold: bool, extra_env: dict[str, str]) -> dict:
     profile = load_profile(name)
-    overrides: dict = {}
+    env = dict(extra_env)
     cold_dir = None
     if cold and profile.engine == "vllm":
         cold_dir = tempfile.mkdtemp(prefix="vllm-cold-cache-")
-        overrides["extra_env"] = {"VLLM_CACHE_ROOT": cold_dir}
-    with EngineServer(profile, overrides=overrides) as srv:
+        env["VLLM_CACHE_ROOT"] = cold_dir
+    with EngineServer(profile, overrides={"extra_env": env} if env else None) as srv:
         rss = group_rss_mb(srv.pid)
+        pss = group_pss_mb(srv.pid)
         values = canary_vllm(srv.base_url) if profile.engine == "vllm" else canary_llamacpp(srv.base_url)
         pgid = srv.pid
         start_s = srv.start_seconds
@@ -93,9 +107,12 @@ def run_one(name: str, cold: bool) -> dict:
     left = group_members(pgid)
     return {
         "profile": name,
-        "compile_cache": ("cold" if cold_dir else "default (~/.cache/vllm)") if profile.engine == "vllm" else None,
+        "compile_cache": ("cold" if cold_dir else env.get("VLLM_CACHE_ROOT", "~/.cache/vllm"))
+        if profile.engine == "vllm" else None,
+        "extra_env": env,
         "start_s": round(start_s or 0.0, 1),
         "group_rss_mb": round(rss),
+        "group_pss_mb": round(pss),
         "left_after_stop": left,
         "log": log,
         **values,
@@ -109,11 +126,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("profiles", nargs="+")
     ap.add_argument("--cold", action="store_true", help="fresh VLLM_CACHE_ROOT for vLLM profiles")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment entry for the server (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="append results to this JSON list file")
     args = ap.parse_args()
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
     results = []
     for name in args.profiles:
-        res = run_one(name, args.cold)
+        res = run_one(name, args.cold, extra_env)
         print(json.dumps(res), flush=True)
         results.append(res)
     if args.out:
