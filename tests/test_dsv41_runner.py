@@ -280,3 +280,21 @@ def test_peak_memory_is_one_layer_plus_activations(tmp_path):
         bound = 1.5 * (run["largest_stage_weight_bytes"] + run["activation_bytes"])
         assert growth <= bound, (spill, growth / 2**20, bound / 2**20)
         assert total_fp32 > 1.9 * bound  # the bound is meaningful: the whole model would not fit under it
+
+
+def test_every_weight_is_read_once_per_panel(tiny, panel_json, tmp_path, monkeypatch):
+    """Five sequences, one read of each backbone tensor (the MTP stages are never read: scoring needs no drafts)."""
+    from oracle.dsv41 import checkpoint as C
+
+    reads: dict[str, int] = {}
+    real = C._Folder.read
+
+    def counting(self, info, rows=None):
+        reads[info.name] = reads.get(info.name, 0) + 1
+        return real(self, info, rows)
+
+    monkeypatch.setattr(C._Folder, "read", counting)
+    run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path / "w", _opts())
+    stored = {n for n in Checkpoint(tiny)._official.infos if not n.startswith("mtp.")}
+    assert set(reads) == stored
+    assert max(reads.values()) == 1
