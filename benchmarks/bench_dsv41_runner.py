@@ -58,6 +58,68 @@ print(json.dumps(rec.provenance.extra["run"]))
 """
 
 
+def write_large_checkpoint(out: Path, over: dict, seed: int = 0) -> Path:
+    """Like tiny.write_tiny_checkpoint, but the MXFP4 expert bytes are slices of one 64 MiB random pool
+    instead of a fresh torch.randint per expert (~10x less CPU on 6.6 G parameters; values repeat across
+    experts, which a memory / I/O benchmark does not care about). Everything else is generated with tiny.py's
+    own helpers and statistics, so the loader validates it like any generated checkpoint."""
+    import dataclasses
+    import math
+
+    import numpy as np
+
+    from oracle.dsv41 import tiny as T
+    from oracle.dsv41.checkpoint import expected_inventory
+
+    cfg = T.tiny_config(over)
+    inv = expected_inventory(cfg)
+    out.mkdir(parents=True, exist_ok=False)
+    shards = T._ShardWriter(out, 256 << 20)
+    rng = np.random.default_rng(seed)
+    pool = torch.from_numpy(rng.integers(0, 256, size=64 << 20, dtype=np.uint8))
+    jitter = torch.from_numpy(rng.integers(-1, 2, size=1 << 20, dtype=np.int64))
+    for i, (p, spec) in enumerate(sorted(inv.linears.items())):
+        std = T._gain(p) * spec.in_ ** -0.5
+        if spec.storage == "fp4":
+            n = spec.out * spec.in_ // 2
+            off = (i * 7919 * 4096) % (pool.numel() - n)
+            shards.add(f"{p}.weight", pool[off:off + n].view(spec.out, spec.in_ // 2).view(torch.int8).clone())
+            k = spec.out * spec.in_ // 32
+            joff = (i * 104729) % (jitter.numel() - k)
+            e = round(math.log2(std / T.FP4_RMS)) + jitter[joff:joff + k].view(spec.out, -1)
+            shards.add(f"{p}.scale", (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu))
+        elif spec.storage == "fp8":
+            w, sc = T.quantize_fp8_blocks(torch.randn(spec.out, spec.in_, generator=T._gen(seed, p)) * std, T.FP8_BLOCK)
+            shards.add(f"{p}.weight", w.view(torch.float8_e4m3fn))
+            shards.add(f"{p}.scale", sc.view(torch.float8_e8m0fnu))
+        else:
+            shards.add(f"{p}.weight", (torch.randn(spec.out, spec.in_, generator=T._gen(seed, p)) * std).to(torch.bfloat16))
+    for name, spec in sorted(inv.tensors.items()):
+        g = T._gen(seed, name)
+        if name == "embed.weight":
+            t = torch.randn(spec.shape, generator=g) * T.EMBED_RMS
+        elif len(spec.shape) == 2:
+            t = torch.randn(spec.shape, generator=g) * spec.shape[1] ** -0.5
+        elif name.endswith("norm.weight"):
+            key = next((k for k in T._NORM_MEANS if name.endswith(f".{k}.weight")), None)
+            t = T._NORM_MEANS.get(key, 1.0) * (1 + 0.1 * torch.randn(spec.shape, generator=g))
+        else:
+            t = 0.5 * torch.randn(spec.shape, generator=g)
+        shards.add(name, t.to(torch.bfloat16 if spec.dtype == "BF16" else torch.float32))
+    for p, spec in sorted(inv.tables.items()):
+        w, sc = T.quantize_fp8_blocks(torch.randn(spec.rows, spec.width, generator=T._gen(seed, p)) * T.ENGRAM_RMS, (1, 32))
+        shards.add(f"{p}.weight", w.view(torch.float8_e4m3fn))
+        shards.add(f"{p}.scale", sc.view(torch.float8_e8m0fnu))
+    shards.finish()
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(T.FP8_BLOCK), "scale_fmt": "ue8m0",
+                                     "expert_dtype": cfg.expert_dtype}
+    config["ds41_tiny"] = {"seed": seed, "overrides": over, "expert_bytes": "64 MiB pool (bench_dsv41_runner)"}
+    T._atomic_json(config, out / "config.json")
+    return out
+
+
 def shard_files(ck_dir: Path) -> list[Path]:
     return sorted(ck_dir.glob("*.safetensors"))
 
@@ -106,7 +168,10 @@ def main():
     ck_dir = base / name
     t = time.perf_counter()
     if not (ck_dir / "config.json").exists():
-        write_tiny_checkpoint(ck_dir, seed=0, config_overrides=over, shard_bytes=256 << 20)
+        if a.large:
+            write_large_checkpoint(ck_dir, over)
+        else:
+            write_tiny_checkpoint(ck_dir, seed=0, config_overrides=over, shard_bytes=256 << 20)
     gen_s = time.perf_counter() - t
     ck = Checkpoint(ck_dir)
     cfg = ck.model_config
