@@ -235,6 +235,8 @@ def _save_ckpt(path: Path, s: SequenceScores) -> None:
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     tmp = path.with_name(path.name + ".partial")
     save_file(tensors, str(tmp), metadata={"seq_id": s.seq_id, "domain": s.domain})
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
@@ -244,15 +246,18 @@ def _load_ckpt(path: Path, seq: _EncodedSequence) -> SequenceScores | None:
 
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-    arr = load_file(str(path))
-    if meta.get("seq_id") != seq.seq_id or not np.array_equal(arr["token_ids"], np.asarray(seq.token_ids, np.int64)) \
-            or not np.array_equal(arr["scored"], np.asarray(seq.scored_mask, bool)):
-        return None  # stale checkpoint (different tokens): recompute
-    return SequenceScores(seq.seq_id, seq.domain, arr["token_ids"], arr["scored"], arr["topk_ids"], arr["topk_logprobs"],
-                          arr["actual_logprob"], arr["actual_rank"], logsumexp=arr["logsumexp"],
-                          full_logprobs=arr.get("full_logprobs"))
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        arr = load_file(str(path))
+        if meta.get("seq_id") != seq.seq_id or not np.array_equal(arr["token_ids"], np.asarray(seq.token_ids, np.int64)) \
+                or not np.array_equal(arr["scored"], np.asarray(seq.scored_mask, bool)):
+            return None  # stale checkpoint (different tokens): recompute
+        return SequenceScores(seq.seq_id, seq.domain, arr["token_ids"], arr["scored"], arr["topk_ids"],
+                              arr["topk_logprobs"], arr["actual_logprob"], arr["actual_rank"],
+                              logsumexp=arr["logsumexp"], full_logprobs=arr.get("full_logprobs"))
+    except Exception:  # truncated / corrupt (a crash, a full disk): a checkpoint is only a cache, recompute
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- entry point
