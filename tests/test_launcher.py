@@ -419,7 +419,7 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_vllm_cpu_fp32_serves_the_reference_logprobs() -> None:
     _require_venv(launcher.VLLM_VENV, "setup-vllm.sh")
     with EngineServer("vllm-cpu-fp32") as srv:
