@@ -24,11 +24,20 @@ TURN = "\n\n# Next: add a method that returns the number of live entries, with a
 BRANCHES = ("\n\ndef test_first_case():\n    assert", "\n\nclass AnotherThing:\n    \"\"\"A different")
 
 
+SOURCE_ITEMS = ("agentic-01-failing-test", "code-02-rust-kv", "code-01-ttl-cache")  # a chat transcript with code
+
+
 def _source_ids(tok) -> list[int]:
+    """Real code and chat transcripts: default-panel items, chat ones rendered with the model's template."""
     from panels import load_panel
 
-    texts = [it.text for it in load_panel("default").items if it.domain == "code" and it.text]
-    return list(tok.tokenizer.encode("\n\n".join(texts), add_special_tokens=False).ids)
+    items = {it.id: it for it in load_panel("default").items}
+    ids: list[int] = []
+    for name in SOURCE_ITEMS:
+        it = items[name]
+        text = it.text or tok.chat_format.render(list(it.messages), tuple(it.tools or ()), add_generation_prompt=False)
+        ids += tok.tokenizer.encode(text, add_special_tokens=False).ids
+    return ids
 
 
 def _cases(cfg, block: int, tok):
