@@ -169,9 +169,19 @@ class HFOracle:
         if not (d / "config.json").is_file():
             raise OracleError(f"{d}: not an HF model directory (no config.json)")
         digest = model_hash(d)
-        cfg = AutoConfig.from_pretrained(d, local_files_only=True)
-        with _deterministic(threads):
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True)
+        try:
+            cfg = AutoConfig.from_pretrained(d, local_files_only=True)
+            with _deterministic(threads):
+                model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True,
+                                                                   output_loading_info=True)
+        except Exception as exc:  # truncated/corrupt weights, unreadable config, shape mismatch
+            raise OracleError(f"{d}: cannot load the model: {type(exc).__name__}: {str(exc)[:500]}") from exc
+        # transformers fills a missing tensor with random values and ignores an extra one (a warning only):
+        # an oracle must refuse both
+        wrong = {k: sorted(info.get(k) or ())[:5] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(wrong.values()):
+            raise OracleError(f"{d}: weights do not match the configuration: "
+                              + "; ".join(f"{k.split('_')[0]} {v}" for k, v in wrong.items() if v))
         model.eval()
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if bad:
