@@ -18,7 +18,7 @@ from tests.reliability.helpers import (
     Canned, CannedServer, exact_reference, files_containing, gate_session_env, plain_sequences, run_gate_session,
     serve_vllm,
 )
-from tests.test_client_malformed import vllm_prompt_response
+from tests.test_client_malformed import vllm_generation_response, vllm_prompt_response
 
 MODEL = "fake-smollm2"
 KL_GATE = "from gates.test_kl_panel import test_kl_panel_per_domain  # the real gate\n"
@@ -76,6 +76,13 @@ def test_malformed_answer_makes_the_gate_error_not_pass(tmp_path, body, kind):
 
 
 # ----------------------------------------------------------------------------------------------- hostile text + key
+OUTPUT_GATE = '''
+def test_model_output_gate(engine_client, gate_results):
+    """Stand-in for a gate that shows model output (needles, decode): the text is the engine's."""
+    g = engine_client.generate([1, 2, 3], 3, 2, seq_id="gen")
+    gate_results.add_section("Model output", [{"prompt": "p", "output": g.text}], note="as generated")
+'''
+
 SECOND_GATE = '''
 def test_zz_tokenizer_gate(engine_client, gate_results):
     """Stand-in for a later gate: its engine call is refused with an error text the engine chose."""
@@ -104,8 +111,18 @@ def hostile_session(tmp_path_factory):
     ref = _reference(tmp, seqs, panel_name="p" + SCRIPT)
     with CannedServer(require_key=secret) as srv:
         serve_vllm(srv, model)
+        prompt_route = srv.routes["/v1/completions"]
+
+        def completions(r):
+            if "prompt_logprobs" in r.body:
+                return prompt_route(r)
+            resp = vllm_generation_response(r.body["prompt"], r.body["max_tokens"], r.body["logprobs"])
+            resp["model"] = model
+            resp["choices"][0]["text"] = "out " + SCRIPT + ATTR + "<img src=x onerror=alert(3)>"
+            return Canned(200, resp)
+        srv.routes["/v1/completions"] = completions
         srv.routes["/tokenize"] = lambda r: Canned(400, {"error": {"message": "refused " + SCRIPT + ATTR}})
-        s = run_gate_session(tmp, HEAD + KL_GATE + SECOND_GATE, reference=ref, engine_url=srv.url,
+        s = run_gate_session(tmp, HEAD + KL_GATE + OUTPUT_GATE + SECOND_GATE, reference=ref, engine_url=srv.url,
                              env=gate_session_env({"DS41_ENGINE_API_KEY": secret}))
         seen = list(srv.seen)
     return s, secret, seen
@@ -122,7 +139,7 @@ def test_errored_gate_is_marked_and_earlier_results_kept(hostile_session):
     section = report["extra"]["Gate outcomes"]
     assert "1 gate(s) ERRORED" in section["note"]
     assert [(r["gate"], r["outcome"]) for r in section["rows"]] == [
-        ("test_kl_panel_per_domain", "passed"), ("test_zz_tokenizer_gate", "ERROR")]
+        ("test_kl_panel_per_domain", "passed"), ("test_model_output_gate", "passed"), ("test_zz_tokenizer_gate", "ERROR")]
     assert "Gate outcomes" in (s.results_dir / "report.md").read_text()
     html_text = (s.results_dir / "report.html").read_text()
     assert "1 gate(s) ERRORED" in html_text and "ERROR" in html_text
@@ -139,8 +156,10 @@ def test_report_escapes_engine_and_panel_text(hostile_session):
     # the hostile text is shown, escaped: the model name, the panel name, a domain, the engine's error text
     assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 4
     assert "refused &lt;script&gt;" in page
+    assert "out &lt;script&gt;" in page and "&lt;img src=x onerror=alert(3)&gt;" in page   # model output
+    assert sum(1 for t, a in p.tags if t == "img" and not a.get("src", "").startswith("data:image/png")) == 0
     md = (s.results_dir / "report.md").read_text(encoding="utf-8")
-    assert "<script" not in md.lower() and "refused &lt;script&gt;" in md
+    assert "<script" not in md.lower() and "<img" not in md.lower() and "refused &lt;script&gt;" in md
 
 
 def test_api_key_reaches_the_engine_and_nothing_else(hostile_session, tmp_path):
