@@ -17,11 +17,13 @@ from gates.lib import needles
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
-def _cell(client, tok, case, max_tokens):
+def _cell(client, tok, case, max_tokens, answer_prefix=""):
     from panels.needles import build_haystack
 
     hay = build_haystack(tok, case.length, case.depth, case.seed, chat=True)
     ids = [int(t) for t in hay.token_ids]
+    if answer_prefix:  # the assistant turn starts with the answer's opening words
+        ids += tok.tokenizer.encode(answer_prefix, add_special_tokens=False).ids
     st = _engine.stream(client, ids, max_tokens, 1, ignore_eos=False, seq_id=f"needle-{case.length}-{case.depth}")
     gen = st.generation
     assert gen.prompt_tokens in (None, len(ids))
@@ -38,9 +40,14 @@ def needle_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
     grid = needle_grid(mml, lengths=cfg["lengths"], depths=cfg["depths"], seed=cfg["seed"])
     cells, solo = [], {}
     for case in grid:
-        cell, ids, gen = _cell(engine_client, gate_tokenizer, case, cfg["max_tokens"])
+        cell, ids, gen = _cell(engine_client, gate_tokenizer, case, cfg["max_tokens"], cfg["answer_prefix"])
         cells.append(cell)
         solo[(case.length, case.depth)] = (ids, gen)
+    extra = [n for n in cfg["report_only_lengths"] if n <= mml - 64]
+    report_only = []
+    if extra:
+        for case in needle_grid(mml, lengths=extra, depths=cfg["depths"], seed=cfg["seed"]):
+            report_only.append(_cell(engine_client, gate_tokenizer, case, cfg["max_tokens"])[0])
     burst = []
     longest = max(c.length for c in grid)
     for (length, depth), (ids, gen) in solo.items():
@@ -50,7 +57,7 @@ def needle_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
                                  for _ in range(cfg["burst_copies"])])
         for i, o in enumerate(outs):
             burst.append((f"length {length}, depth {depth:g}, copy {i}", tuple(o.token_ids) == tuple(gen.token_ids)))
-    return {"cells": cells, "burst": burst, "max_model_len": mml, "grid": grid}
+    return {"cells": cells, "burst": burst, "max_model_len": mml, "grid": grid, "report_only": report_only}
 
 
 def _heatmap_png(cells, path):
@@ -79,17 +86,25 @@ def _heatmap_png(cells, path):
 
 def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
     r = needle_runs
+    cfg = gate_config["needles"]
     res = needles.judge(r["cells"], r["burst"])
     png = gate_results.out_dir / "needles_heatmap.png"
-    _heatmap_png(r["cells"], png)
+    _heatmap_png(r["cells"] + r["report_only"], png)
+    extra_rows = [{**c.as_row(), "gated": False} for c in r["report_only"]]
     gate_results.add("needles", {"profile": engine_endpoint.profile, "passed": res.passed, "failures": res.failures,
                                  "summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
                                  "max_model_len": r["max_model_len"], "heatmap_png": str(png),
+                                 "report_only_cells": extra_rows, "answer_prefix": cfg["answer_prefix"],
+                                 "report_only_found": f"{sum(c.passed for c in r['report_only'])}/{len(r['report_only'])}",
                                  "config": gate_config["needles"]})
-    gate_results.add_section("Needles: length × depth (gates.md §7)", res.heatmap,
+    gate_results.add_section("Needles: length × depth (gates.md §7)",
+                             res.heatmap + [{**row, "length": f"{row['length']} (plain question, report-only)"}
+                                            for row in needles.heatmap_rows(r["report_only"])],
                              f"{engine_endpoint.profile}: {res.summary['found']}/{res.summary['cells']} found, burst == "
                              f"solo {res.summary['burst_equal']}; grid capped by max_model_len {r['max_model_len']}")
-    gate_results.add_section("Needles: cells", res.rows, "exact substring match of the passphrase")
+    gate_results.add_section("Needles: cells", [{**row, "gated": True} for row in res.rows] + extra_rows,
+                             f"exact substring match of the passphrase; gated cells primed with {cfg['answer_prefix']!r}; "
+                             "report-only cells ask the plain question (the model's own limit)")
     assert res.summary["cells"] == len(r["grid"]) > 0 and r["burst"]
     assert res.passed, "needle gate failed:\n" + "\n".join(res.failures)
 
@@ -108,6 +123,8 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     n_needle = len(gate_tokenizer.tokenizer.encode(piece, add_special_tokens=False).ids)
     cut = ids[:start] + ids[start + n_needle:]
     assert gate_tokenizer.tokenizer.decode(cut).count(hay.passphrase) == 0
+    if cfg["answer_prefix"]:  # the same prompt form as the gated cells
+        cut += gate_tokenizer.tokenizer.encode(cfg["answer_prefix"], add_special_tokens=False).ids
     gen = _engine.complete(engine_client, cut, cfg["max_tokens"], 1, ignore_eos=False, seq_id="needle-cut")
     cell = needles.Cell(case.length, case.depth, case.seed, len(cut), hay.actual_depth, hay.passphrase, gen.text)
     res = needles.judge([cell])
