@@ -1,18 +1,23 @@
-"""Reliability: the oracle SIGKILLed at 10 random points resumes to a bit-identical reference, 10 times out of 10.
+"""Reliability: the oracle SIGKILLed at random points resumes to a bit-identical reference, every time.
 
-Runs on oracle/hf.py's per-sequence checkpoints (``score_panel_hf(checkpoint_dir=...)``) over a 6-sequence
-SmolLM2 subset of the default panel. The DeepSeek-V4.1 layer-streamed runner (oracle/dsv41/runner.py) does
-not exist yet; its version of this test is pending (docs/RELIABILITY.md).
+* DeepSeek-V4.1 layer-streamed runner (oracle/dsv41/runner.py ``run_panel``, what ``ds41gate oracle run``
+  runs) on the tiny checkpoint (write_tiny_checkpoint): 10 random kill points, 10 resumes. Its own tests
+  (tests/test_dsv41_runner.py) kill at named points through a test hook; here the kill comes from outside at
+  a uniformly random time, like a crash or an OOM kill, alternating RAM and disk spill.
+* the generic HF oracle (oracle/hf.py ``score_panel_hf(checkpoint_dir=...)``, what ``ensure_reference``
+  runs for the default SmolLM2 reference) on a 4-sequence SmolLM2 subset of the default panel: 5 random
+  kill points (each trial costs ~2 forward passes of the real model on this 2-core box).
 
-Each trial: a fresh checkpoint folder; a forked oracle process (tests/reliability/oracle_driver.py) scores the
-subset and is SIGKILLed at a uniformly random time within one full run's duration; then the panel is scored
+Each trial: a fresh work folder; a forked oracle process (tests/reliability/oracle_driver.py) scores the
+panel and is SIGKILLed at a uniformly random time within one full run's duration; then the panel is scored
 again on that folder (resuming) and must equal the clean, uninterrupted record bit for bit: every array,
-dtype and provenance field except the wall time, the resumed-sequence count and the git-commit suffix.
+dtype and provenance field except wall times, the resume counters and the git-commit suffix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import signal
@@ -20,13 +25,15 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from ds41gates.records import Record
-from tests.reliability.helpers import REPO, RESUME_TOP_K, gate_session_env, smol_oracle, smol_reference, smol_subset
+from tests.reliability.helpers import (
+    REPO, RESUME_TOP_K, dsv41_options, dsv41_panel_json, gate_session_env, smol_oracle, smol_reference, smol_subset,
+)
 
-TRIALS = 10
+DSV41_TRIALS = 10
+HF_TRIALS = 5
 ARRAYS = ("seq_offsets", "token_ids", "scored", "pos_seq", "pos_index", "topk_ids", "topk_logprobs",
           "actual_logprob", "actual_rank", "logsumexp", "full_logprobs", "ambiguous")
 
@@ -41,15 +48,15 @@ def assert_bit_identical(a: Record, b: Record, what: str) -> None:
     assert (a.k, a.seq_ids, a.domains) == (b.k, b.seq_ids, b.domains), what
 
     def stable(p):
-        extra = {k: v for k, v in p.extra.items() if k not in ("seconds", "resumed_sequences")}
+        extra = {k: v for k, v in p.extra.items() if k not in ("seconds", "resumed_sequences", "run")}
         # the commit suffix of code_version is left out: other work may commit while this test runs
         return dataclasses.replace(p, created="", extra=extra, code_version=p.code_version.split("+g")[0])
     assert stable(a.provenance) == stable(b.provenance), what
 
 
 class _Driver:
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.oracle_driver"], cwd=str(REPO),
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.oracle_driver", *args], cwd=str(REPO),
                                      env=gate_session_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         assert self._line() == "loaded"
@@ -60,9 +67,9 @@ class _Driver:
             raise RuntimeError(f"oracle driver ended (rc {self.proc.poll()})")
         return line.strip()
 
-    def run(self, ckpt, out, kill_after_s: float | None = None) -> tuple[int, float]:
+    def run(self, work, out, kill_after_s: float | None = None, spill: str = "ram") -> tuple[int, float]:
         """Score in a forked child; SIGKILL it ``kill_after_s`` after it started. Returns (exit code, seconds)."""
-        self.proc.stdin.write(f"run {ckpt} {out}\n")
+        self.proc.stdin.write(f"run {work} {out} {spill}\n")
         self.proc.stdin.flush()
         word, pid = self._line().split()
         assert word == "child"
@@ -82,35 +89,70 @@ class _Driver:
         self.proc.wait(30)
 
 
+def _kill_and_resume(drv: _Driver, tmp_path, trials: int, clean: Record, resume, spills=("ram",)):
+    """The trial loop shared by both oracles; ``resume(work) -> (Record, done_before)``."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    # calibration: an uninterrupted forked run equals the in-process record, and gives the time window
+    code, full_s = drv.run(tmp_path / "calib", tmp_path / "calib.safetensors")
+    assert code == 0
+    assert_bit_identical(Record.load(tmp_path / "calib.safetensors"), clean, "uninterrupted subprocess run")
+    done = []
+    for t in range(trials):
+        work, point, spill = tmp_path / f"trial{t}", rng.uniform(0.0, full_s), spills[t % len(spills)]
+        code, _ = drv.run(work, tmp_path / f"trial{t}.safetensors", kill_after_s=point, spill=spill)
+        resumed, progress = resume(work)
+        assert_bit_identical(resumed, clean, f"trial {t} (seed {seed}, {spill}, kill at {point:.2f} s of {full_s:.2f})")
+        done.append((round(point, 2), spill, code, progress))
+    print(f"\nseed {seed}; full run {full_s:.2f} s; (kill point s, spill, child exit, progress kept): {done}")
+    assert sum(1 for *_, code, _ in done if code == -signal.SIGKILL) >= trials // 2, done   # really killed
+    assert len({p for *_, p in done}) >= 2, done                                           # at different stages
+    return done
+
+
+@pytest.mark.timeout(600)
+def test_dsv41_runner_sigkill_at_10_random_points_resumes_bit_identical(tmp_path):
+    from oracle.dsv41.checkpoint import Checkpoint
+    from oracle.dsv41.runner import MANIFEST, panel_from_json, run_panel
+    from oracle.dsv41.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    panel_json = dsv41_panel_json(tmp_path / "panel.json")
+    panel = panel_from_json(panel_json)
+    clean = run_panel(Checkpoint(ckpt), panel, tmp_path / "clean-work", dsv41_options())
+
+    def resume(work):
+        manifest = work / MANIFEST
+        stages = json.loads(manifest.read_text())["stages_done"] if manifest.exists() else 0
+        rec = run_panel(Checkpoint(ckpt), panel, work, dsv41_options())
+        assert rec.provenance.extra["run"]["resumed_from_stage"] == stages
+        return rec, stages
+
+    drv = _Driver("dsv41", str(ckpt), str(panel_json))
+    try:
+        _kill_and_resume(drv, tmp_path, DSV41_TRIALS, clean, resume, spills=("ram", "disk"))
+    finally:
+        drv.close()
+
+
 @pytest.mark.timeout(900)
-def test_sigkill_at_10_random_points_resumes_bit_identical(tmp_path):
+def test_hf_oracle_sigkill_at_random_points_resumes_bit_identical(tmp_path):
     from oracle.hf import score_panel_hf
 
     clean = smol_reference(RESUME_TOP_K)                 # in this process, no checkpoints
     orc, panel = smol_oracle(), smol_subset()
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
-    drv = _Driver()
+
+    def resume(work):
+        kept = len(list(work.glob("*.safetensors"))) if work.exists() else 0
+        rec = score_panel_hf(orc.model_dir, panel, top_k=RESUME_TOP_K, oracle=orc, checkpoint_dir=work)
+        assert rec.provenance.extra["resumed_sequences"] == kept
+        return rec, kept
+
+    drv = _Driver("hf")
     try:
-        # calibration: an uninterrupted forked run equals the in-process record, and gives the window
-        code, full_s = drv.run(tmp_path / "calib", tmp_path / "calib.safetensors")
-        assert code == 0
-        assert_bit_identical(Record.load(tmp_path / "calib.safetensors"), clean, "uninterrupted subprocess run")
-        trials = []
-        for t in range(TRIALS):
-            ckpt = tmp_path / f"trial{t}"
-            point = rng.uniform(0.0, full_s)
-            code, _ = drv.run(ckpt, tmp_path / f"trial{t}.safetensors", kill_after_s=point)
-            done_before = len(list(ckpt.glob("*.safetensors"))) if ckpt.exists() else 0
-            resumed = score_panel_hf(orc.model_dir, panel, top_k=RESUME_TOP_K, oracle=orc, checkpoint_dir=ckpt)
-            assert resumed.provenance.extra["resumed_sequences"] == done_before
-            assert_bit_identical(resumed, clean, f"trial {t} (seed {seed}, kill at {point:.2f} s of {full_s:.2f})")
-            trials.append((round(point, 2), code, done_before))
+        _kill_and_resume(drv, tmp_path, HF_TRIALS, clean, resume)
     finally:
         drv.close()
-    print(f"\nseed {seed}; full run {full_s:.2f} s; (kill point s, child exit, checkpoints kept): {trials}")
-    assert sum(1 for _, code, _ in trials if code == -signal.SIGKILL) >= TRIALS // 2, trials  # really killed
-    assert len({n for *_, n in trials}) >= 2, trials                       # at different stages
 
 
 def test_corrupt_checkpoint_is_recomputed_not_fatal(tmp_path):

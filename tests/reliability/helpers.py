@@ -275,3 +275,21 @@ def smol_reference(top_k: int = 64) -> Record:
         orc = smol_oracle()
         _REFERENCE[top_k] = score_panel_hf(orc.model_dir, smol_subset(), top_k=top_k, oracle=orc)
     return _REFERENCE[top_k]
+
+
+# ============================================================================================ DSv4.1 runner
+def dsv41_options(spill: str = "ram"):
+    """The runner options of the SIGKILL-resume test (1 thread, full logprobs, no progress bar)."""
+    from oracle.dsv41.runner import RunOptions
+
+    return RunOptions(threads=1, progress=False, full_logprobs=True, spill=spill)
+
+
+def dsv41_panel_json(path: Path, lengths=(40, 17, 70, 9)) -> Path:
+    """Random-id sequences for the tiny checkpoint: 70 > its window 64, odd lengths, a partial scored mask."""
+    rng = np.random.default_rng(0)
+    seqs = [{"seq_id": f"r{i}", "domain": ("code", "chat")[i % 2],
+             "token_ids": rng.integers(0, 512, n).tolist()} for i, n in enumerate(lengths)]
+    seqs[1]["scored_mask"] = [False] * 5 + [True] * (lengths[1] - 5)
+    path.write_text(json.dumps({"panel_name": "reliability-resume", "panel_version": "1", "sequences": seqs}))
+    return path
