@@ -67,7 +67,7 @@ def bench_result(engine_client, engine_endpoint, gate_config, gate_tokenizer, en
     c = engine_client
     sets = load_bench()
     invalid: list[str] = []
-    prompts = {cls: [encode_chat_prompt(gate_tokenizer, p.text) for p in sets.decode_class(cls)]
+    prompts = {cls: [encode_chat_prompt(gate_tokenizer, p.text) for p in sets.decode_class(cls)[: cfg["prompts_per_class"]]]
                for cls in cfg["decode_classes"]}
     for ids_list in prompts.values():                      # warm-up: one short request per prompt
         for ids in ids_list:
