@@ -48,7 +48,7 @@ def test_5xx_retried_with_backoff_then_the_gate_errors(tmp_path):
     # bounded retries, measured on the server: 4 attempts for the first sequence, backoff 0.25, 0.5, 1.0 s
     assert len(calls) == 4
     gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
-    assert [round(g, 1) >= d for g, d in zip(gaps, (0.25, 0.5, 1.0))] == [True] * 3, gaps
+    assert all(g >= d - 0.01 for g, d in zip(gaps, (0.25, 0.5, 1.0))), gaps
     assert all(g < d + 2.0 for g, d in zip(gaps, (0.25, 0.5, 1.0))), gaps
     assert "kl_panel" not in s.results                                         # no number from a dead engine
     assert "ERRORED gate (neither passed nor failed)" in s.output and "report:  not written" in s.output
