@@ -34,7 +34,8 @@ def demo_app(
         prof = load_profile(name)
         with EngineServer(prof) as server:
             endpoint = pipeline.EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
-                                               precision=pipeline.precision_of(prof))
+                                               precision=pipeline.precision_of(prof),
+                                               vocab_size=pipeline.default_vocab_size(model_dir))
             eng = pipeline.score_engine(endpoint, encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
         _, gate = pipeline.judge(ref, eng, prof.name, prof.name)

@@ -81,7 +81,8 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K) -> tup
     _echo(f"building the fp32 oracle reference for {encoded.panel_name}@{encoded.panel_version} "
           f"({len(encoded.sequences)} sequences) …")
     partial = path.with_suffix(".partial.d")  # per-sequence checkpoints: a killed run resumes here
-    ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False)
+    # one thread: on a shared 2-core box two threads were 14x slower than one (docs/RELIABILITY.md)
+    ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False, threads=1)
     ref.save(path)
     _echo(f"oracle reference written: {path}")
     return ref, path
@@ -100,9 +101,16 @@ class EngineEndpoint:
     flags: tuple[str, ...] = ()
     precision: str = "unknown"
     env_flags: Mapping[str, str] = field(default_factory=dict)
+    vocab_size: int | None = None  # lets adapters ask for the full distribution (llama.cpp servers)
 
 
-def adapter_for(engine: str):
+def default_vocab_size(model_dir: Path | None = None) -> int:
+    """Vocabulary of the embedded default model, which every shipped CPU profile serves."""
+    config = json.loads(((model_dir or default_model_dir()) / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def adapter_for(engine: str, vocab_size: int | None = None):
     from engine.adapters.llamacpp import LlamaCppPythonAdapter, LlamaServerAdapter
     from engine.adapters.sglang import SglangAdapter
     from engine.adapters.vllm import VllmAdapter
@@ -111,7 +119,7 @@ def adapter_for(engine: str):
              "llama-cpp-python": LlamaCppPythonAdapter}
     if engine not in table:
         raise ValueError(f"unknown engine kind {engine!r}; known: {sorted(table)}")
-    return table[engine]()
+    return table[engine](vocab_size=vocab_size)
 
 
 def client_for(endpoint: EngineEndpoint, max_concurrency: int = 1):
@@ -120,7 +128,7 @@ def client_for(endpoint: EngineEndpoint, max_concurrency: int = 1):
     return EngineClient(ClientConfig(base_url=endpoint.base_url, model=endpoint.model,
                                      api_key=os.environ.get("DS41_ENGINE_API_KEY", "unused"),
                                      max_concurrency=max_concurrency),
-                        adapter=adapter_for(endpoint.engine))
+                        adapter=adapter_for(endpoint.engine, endpoint.vocab_size))
 
 
 def precision_of(profile) -> str:
