@@ -90,14 +90,14 @@ def canary_llamacpp(base: str) -> dict:
     }
 
 
-def run_one(name: str, cold: bool, extra_env: dict[str, str]) -> dict:
+def run_one(name: str, cold: bool, extra_env: dict[str, str], flags: list[str]) -> dict:
     profile = load_profile(name)
     env = dict(extra_env)
     cold_dir = None
     if cold and profile.engine == "vllm":
         cold_dir = tempfile.mkdtemp(prefix="vllm-cold-cache-")
         env["VLLM_CACHE_ROOT"] = cold_dir
-    with EngineServer(profile, overrides={"extra_env": env} if env else None) as srv:
+    with EngineServer(profile, overrides={"extra_env": env} if env else None, flags=flags) as srv:
         rss = group_rss_mb(srv.pid)
         pss = group_pss_mb(srv.pid)
         values = canary_vllm(srv.base_url) if profile.engine == "vllm" else canary_llamacpp(srv.base_url)
@@ -110,6 +110,7 @@ def run_one(name: str, cold: bool, extra_env: dict[str, str]) -> dict:
         "compile_cache": ("cold" if cold_dir else env.get("VLLM_CACHE_ROOT", "~/.cache/vllm"))
         if profile.engine == "vllm" else None,
         "extra_env": env,
+        "flags": flags,
         "start_s": round(start_s or 0.0, 1),
         "group_rss_mb": round(rss),
         "group_pss_mb": round(pss),
@@ -128,12 +129,13 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="fresh VLLM_CACHE_ROOT for vLLM profiles")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment entry for the server (repeatable)")
+    ap.add_argument("--flag", action="append", default=[], help="profile flag to turn on (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="append results to this JSON list file")
     args = ap.parse_args()
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     results = []
     for name in args.profiles:
-        res = run_one(name, args.cold, extra_env)
+        res = run_one(name, args.cold, extra_env, args.flag)
         print(json.dumps(res), flush=True)
         results.append(res)
     if args.out:
