@@ -97,7 +97,8 @@ def stats_from_logits(logits, actual_ids, top_k: int, full_vocab: bool, chunk: i
     n, vocab = logits.shape
     if top_k > vocab:
         raise OracleError(f"top_k={top_k} exceeds the vocabulary size {vocab}")
-    actual = torch.as_tensor(np.asarray(actual_ids, dtype=np.int64))
+    # on the logits' device even inside a `with torch.device("cuda")` block (the runner's GPU mode)
+    actual = torch.as_tensor(np.asarray(actual_ids, dtype=np.int64), device=logits.device)
     out_ids = np.empty((n, top_k), dtype=np.int64)
     out_lp = np.empty((n, top_k), dtype=np.float64)
     out_act = np.empty(n, dtype=np.float64)
