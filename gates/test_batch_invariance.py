@@ -65,11 +65,18 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
         # a long-prompt companion arrives once the subject has produced `mid_decode_after` tokens
         fired = threading.Event()
         comp_thread: list[threading.Thread] = []
+        comp_result: list = []
+
+        def companion() -> None:
+            try:
+                comp_result.append(_engine.complete(c, long_comp, 8, 1, seq_id="mid-companion"))
+            except Exception as exc:  # surfaced below: a failed companion means the scenario did not happen
+                comp_result.append(exc)
 
         def on_tokens(total: int) -> None:
             if total >= cfg["mid_decode_after"] and not fired.is_set():
                 fired.set()
-                t = threading.Thread(target=lambda: _engine.complete(c, long_comp, 8, 1, seq_id="mid-companion"))
+                t = threading.Thread(target=companion)
                 t.start()
                 comp_thread.append(t)
 
@@ -77,6 +84,8 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
         for t in comp_thread:
             t.join()
         assert fired.is_set(), "the mid-decode companion never fired"
+        if isinstance(comp_result[0], Exception):
+            raise comp_result[0]
         out.append(batch.compare("mid-decode arrival", name, solo, _out(streamed.generation)))
     return out, solos
 
