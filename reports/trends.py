@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from reports import history as H  # noqa: E402
 
@@ -46,6 +47,7 @@ def plot_trends(db: str | Path, out_dir: Path) -> list[Path]:
         if "kl_part" in name and all(v > 0 for pts in cells.values() for _, v in pts):
             ax.set_yscale("log")
         ax.set_xlabel("nightly run id")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -57,6 +59,7 @@ def plot_trends(db: str | Path, out_dir: Path) -> list[Path]:
         ax.bar(ids, [g[2] for g in gates], color=[STATUS_COLOURS.get(g[1], "grey") for g in gates], label="passed")
         ax.bar(ids, [g[3] for g in gates], bottom=[g[2] for g in gates], color="#ef9a9a", label="failed")
         ax.set_xlabel("nightly run id (bar colour = run status)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("gates")
         ax.set_title("gate results per nightly run", fontsize=9)
         ax.legend(fontsize=7)
