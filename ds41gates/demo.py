@@ -35,7 +35,8 @@ def demo_app(
         with EngineServer(prof) as server:
             endpoint = pipeline.EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
                                                precision=pipeline.precision_of(prof),
-                                               vocab_size=pipeline.default_vocab_size(model_dir))
+                                               vocab_size=pipeline.default_vocab_size(model_dir),
+                                               tokenizer_dir=str(model_dir))
             eng = pipeline.score_engine(endpoint, encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
         _, gate = pipeline.judge(ref, eng, prof.name, prof.name)

@@ -102,6 +102,7 @@ class EngineEndpoint:
     precision: str = "unknown"
     env_flags: Mapping[str, str] = field(default_factory=dict)
     vocab_size: int | None = None  # lets adapters ask for the full distribution (llama.cpp servers)
+    tokenizer_dir: str | None = None  # the served model's tokenizer, for text-only engines (llama-cpp-python)
 
 
 def default_vocab_size(model_dir: Path | None = None) -> int:
@@ -110,7 +111,15 @@ def default_vocab_size(model_dir: Path | None = None) -> int:
     return int(config["vocab_size"])
 
 
-def adapter_for(engine: str, vocab_size: int | None = None):
+def text_of_ids(tokenizer_dir: str | os.PathLike):
+    """ids → text with special tokens kept, from the model's own tokenizer.json (no engine involved)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def adapter_for(engine: str, vocab_size: int | None = None, tokenizer_dir: str | os.PathLike | None = None):
     from engine.adapters.llamacpp import LlamaCppPythonAdapter, LlamaServerAdapter
     from engine.adapters.sglang import SglangAdapter
     from engine.adapters.vllm import VllmAdapter
@@ -119,6 +128,8 @@ def adapter_for(engine: str, vocab_size: int | None = None):
              "llama-cpp-python": LlamaCppPythonAdapter}
     if engine not in table:
         raise ValueError(f"unknown engine kind {engine!r}; known: {sorted(table)}")
+    if engine == "llama-cpp-python" and tokenizer_dir is not None:
+        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir))
     return table[engine](vocab_size=vocab_size)
 
 
@@ -128,7 +139,7 @@ def client_for(endpoint: EngineEndpoint, max_concurrency: int = 1):
     return EngineClient(ClientConfig(base_url=endpoint.base_url, model=endpoint.model,
                                      api_key=os.environ.get("DS41_ENGINE_API_KEY", "unused"),
                                      max_concurrency=max_concurrency),
-                        adapter=adapter_for(endpoint.engine, endpoint.vocab_size))
+                        adapter=adapter_for(endpoint.engine, endpoint.vocab_size, endpoint.tokenizer_dir))
 
 
 def precision_of(profile) -> str:

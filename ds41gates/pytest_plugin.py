@@ -168,14 +168,15 @@ def encoded_panel(panel_reference):
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
     """Start a server from a profile; returns (server, endpoint). The caller stops the server."""
-    from ds41gates.pipeline import EngineEndpoint, default_vocab_size, precision_of
+    from ds41gates.pipeline import EngineEndpoint, default_model_dir, default_vocab_size, precision_of
     from engine.launcher import EngineServer, load_profile
 
     prof = load_profile(profile_name)
     server = EngineServer(prof, overrides=overrides, flags=flags).start()
     # shipped profiles all serve the embedded default model
     endpoint = EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
-                              flags=tuple(flags), precision=precision_of(prof), vocab_size=default_vocab_size())
+                              flags=tuple(flags), precision=precision_of(prof), vocab_size=default_vocab_size(),
+                              tokenizer_dir=str(default_model_dir()))
     return server, endpoint
 
 

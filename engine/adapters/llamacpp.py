@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Callable, Any, Sequence
 
 from engine.adapters.base import (
     Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, logprob_value, need,
@@ -208,8 +208,12 @@ class LlamaCppPythonAdapter:
     keyed_by = "string"
     surface = "llama-cpp-python.completions.echo-shifted"
 
-    def __init__(self, vocab_size: int | None = None):
+    def __init__(self, vocab_size: int | None = None, text_of: Callable[[Sequence[int]], str] | None = None):
         self.vocab_size = vocab_size
+        # /extras/detokenize drops special tokens (chat markers), so a chat sequence cannot round-trip
+        # through it; `text_of` (the harness's own tokenizer, specials kept) supplies the text instead.
+        # Either way the engine's /extras/tokenize must give back exactly the ids, or the sequence is refused.
+        self.text_of = text_of
         self._tok_cache: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
@@ -233,7 +237,7 @@ class LlamaCppPythonAdapter:
     def text_for(self, transport: Transport, seq_id: str, ids: Sequence[int]) -> str:
         """The text whose engine tokenization is exactly ``ids``; TokenRoundTripError otherwise."""
         ids = [int(t) for t in ids]
-        text = self.detokenize(transport, ids, seq_id)
+        text = self.text_of(ids) if self.text_of is not None else self.detokenize(transport, ids, seq_id)
         back = list(self.tokenize(transport, text, seq_id))
         if back != ids:
             first = next((i for i, (a, b) in enumerate(zip(ids, back)) if a != b), min(len(ids), len(back)))
