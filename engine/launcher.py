@@ -432,7 +432,7 @@ def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
 
 
 _live: dict[int, "EngineServer"] = {}
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # re-entrant: the SIGTERM handler may run while it is held
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 

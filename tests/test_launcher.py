@@ -81,7 +81,14 @@ FAKE_SERVER = textwrap.dedent(
     '''
 )
 
-DRIVER = textwrap.dedent(
+# A parent started from a background shell inherits SIGINT ignored (and Python then keeps it
+# ignored); the drivers restore the interactive defaults so the test means the same everywhere.
+RESET_SIGNALS = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+)
+
+DRIVER = RESET_SIGNALS + textwrap.dedent(
     '''
     import sys, time
     from engine.launcher import EngineServer
@@ -133,6 +140,15 @@ def _assert_all_gone(pids: dict[str, int]) -> None:
     assert group_members(pids["pgid"]) == []
     assert not _alive(pids["leader"]), f"leader {pids['leader']} still running"
     assert not _alive(pids["child"]), f"child {pids['child']} still running"
+
+
+def _kill_leftovers(tmp_path: Path) -> None:
+    """After a failed driver test: never leave the fake server behind (the test has failed already)."""
+    f = tmp_path / "pids.json"
+    if f.exists():
+        pgid = json.loads(f.read_text())["pgid"]
+        if group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def _get(url: str) -> dict:
@@ -340,6 +356,8 @@ def test_signal_to_parent_stops_the_group(tmp_path: Path, sig: int) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            _kill_leftovers(tmp_path)
     if sig == signal.SIGTERM:
         assert rc == -signal.SIGTERM  # the safety net re-raises the signal after cleaning up
     else:
@@ -358,11 +376,13 @@ def test_sigint_while_starting_stops_the_group(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            _kill_leftovers(tmp_path)
     assert rc != 0
     _assert_all_gone(pids)
 
 
-ATEXIT_DRIVER = textwrap.dedent(
+ATEXIT_DRIVER = RESET_SIGNALS + textwrap.dedent(
     '''
     import sys
     from engine.launcher import EngineServer
@@ -391,6 +411,8 @@ def test_interpreter_exit_without_stop_still_stops_the_group(tmp_path: Path) -> 
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            _kill_leftovers(tmp_path)
     assert rc == 0, proc.stderr.read()
     _assert_all_gone(pids)
 
