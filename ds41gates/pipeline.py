@@ -129,7 +129,9 @@ def adapter_for(engine: str, vocab_size: int | None = None, tokenizer_dir: str |
     if engine not in table:
         raise ValueError(f"unknown engine kind {engine!r}; known: {sorted(table)}")
     if engine == "llama-cpp-python" and tokenizer_dir is not None:
-        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir))
+        config = Path(tokenizer_dir) / "config.json"
+        bos = json.loads(config.read_text()).get("bos_token_id") if config.is_file() else None
+        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir), bos_id=bos)
     return table[engine](vocab_size=vocab_size)
 
 
@@ -157,17 +159,65 @@ def precision_of(profile) -> str:
     return "unknown"
 
 
+def text_only_exclusions(client, encoded) -> dict[str, str]:
+    """Sequences a text-only engine cannot be sent faithfully: their ids are not what its own tokenizer
+    makes of their text (engines.md §10 rule 10). Empty for engines that take token ids."""
+    from engine.errors import TokenRoundTripError
+
+    text_for = getattr(client.adapter, "text_for", None)
+    if text_for is None:
+        return {}
+    out = {}
+    for seq in encoded.sequences:
+        try:
+            text_for(client, seq.seq_id, list(seq.token_ids))
+        except TokenRoundTripError as exc:
+            out[seq.seq_id] = str(exc)
+    return out
+
+
 def score_engine(endpoint: EngineEndpoint, encoded, k: int = DEFAULT_ENGINE_K, stats=None) -> Record:
-    """Panel positions scored by the engine (concurrency 1: batch effects belong to their own gate)."""
+    """Panel positions scored by the engine (concurrency 1: batch effects belong to their own gate).
+
+    A text-only engine scores only the sequences whose ids survive its tokenizer; the others are named
+    in the record's provenance (`extra.excluded_sequences`) and every comparison restricts to the
+    sequences both sides hold. Never a silent drop: the report lists them.
+    """
+    import dataclasses as _dc
+
     from engine.client import EngineSource, score_panel
 
     client = client_for(endpoint, max_concurrency=1)
     try:
         source = EngineSource(url=endpoint.base_url, model=endpoint.model, profile=endpoint.profile,
                               flags=list(endpoint.flags), precision=endpoint.precision)
-        return score_panel(client, encoded, k, source, max_concurrency=1, stats=stats)
+        excluded = text_only_exclusions(client, encoded)
+        if excluded:
+            kept = tuple(s for s in encoded.sequences if s.seq_id not in excluded)
+            if not kept:
+                raise ValueError(f"engine {endpoint.profile}: no panel sequence survives its text tokenizer")
+            _echo(f"{endpoint.profile}: {len(excluded)} of {len(encoded.sequences)} sequences cannot be sent "
+                  f"as text with their exact ids; scoring the other {len(kept)}")
+            encoded = _dc.replace(encoded, sequences=kept)
+        rec = score_panel(client, encoded, k, source, max_concurrency=1, stats=stats)
+        if excluded:
+            rec.provenance = _dc.replace(rec.provenance,
+                                         extra={**rec.provenance.extra, "excluded_sequences": excluded})
+        return rec
     finally:
         client.close()
+
+
+def common_sequences(ref: Record, engines: Sequence[tuple[str, Record]]) -> tuple[Record, list, list[dict]]:
+    """Reference and engine records restricted to the sequences every engine scored, plus the exclusions."""
+    common = set(ref.seq_ids)
+    for _, eng in engines:
+        common &= set(eng.seq_ids)
+    rows = [{"engine": label, "sequence": sid, "reason": why}
+            for label, eng in engines for sid, why in eng.provenance.extra.get("excluded_sequences", {}).items()]
+    if common == set(ref.seq_ids) and all(set(e.seq_ids) == common for _, e in engines):
+        return ref, list(engines), rows
+    return ref.subset(common), [(label, eng.subset(common)) for label, eng in engines], rows
 
 
 # ----------------------------------------------------------------------------- verdict and report
@@ -186,6 +236,8 @@ def judge(ref: Record, eng: Record, profile: str, label: str, bands_file: Path |
     from ds41gates import metrics
     from ds41gates.bands import judge_panel, load_bands
 
+    if set(eng.seq_ids) != set(ref.seq_ids):
+        ref = ref.subset(eng.seq_ids)  # a text-only engine's record names what it left out
     result = metrics.panel_metrics(ref, eng)
     verdict = judge_panel(result, load_bands(profile, bands_file), profile)
     o = result.overall
@@ -199,6 +251,11 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
     from reports.render import build_report
 
     sections = dict(extra or {})
+    ref, engines, excluded = common_sequences(ref, engines)
+    if excluded:
+        sections["Sequences left out of the comparison"] = {
+            "rows": excluded, "note": "text-only engines cannot be sent these ids exactly; every record in this "
+                                      "report is restricted to the sequences all engines scored"}
     if gate_results:
         rows = []
         for g in gate_results:

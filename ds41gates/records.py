@@ -238,6 +238,35 @@ class Record:
             frame["ambiguous"] = self.ambiguous
         return frame
 
+    def subset(self, seq_ids: Iterable[str]) -> "Record":
+        """The same record restricted to `seq_ids` (kept in this record's order)."""
+        wanted = set(seq_ids)
+        unknown = sorted(wanted - set(self.seq_ids))
+        if unknown:
+            raise RecordError(f"subset names sequences this record lacks: {unknown[:5]}")
+        keep = [i for i, sid in enumerate(self.seq_ids) if sid in wanted]
+        tok_mask = np.zeros(self.token_ids.size, dtype=bool)
+        for i in keep:
+            tok_mask[self.seq_offsets[i]:self.seq_offsets[i + 1]] = True
+        pos_mask = np.isin(self.pos_seq, keep)
+        remap = np.full(self.n_sequences, -1, dtype=np.int64)
+        remap[keep] = np.arange(len(keep))
+        lengths = np.diff(self.seq_offsets)[keep]
+
+        def pick(arr):
+            return None if arr is None else arr[pos_mask]
+
+        return Record(
+            provenance=self.provenance, k=self.k,
+            seq_ids=[self.seq_ids[i] for i in keep], domains=[self.domains[i] for i in keep],
+            seq_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            token_ids=self.token_ids[tok_mask], scored=self.scored[tok_mask],
+            pos_seq=remap[self.pos_seq[pos_mask]], pos_index=self.pos_index[pos_mask],
+            topk_ids=self.topk_ids[pos_mask], topk_logprobs=self.topk_logprobs[pos_mask],
+            actual_logprob=self.actual_logprob[pos_mask], actual_rank=self.actual_rank[pos_mask],
+            logsumexp=pick(self.logsumexp), full_logprobs=pick(self.full_logprobs), ambiguous=pick(self.ambiguous),
+        )
+
     # ------------------------------------------------------------------ checks
     def check_compatible(self, other: "Record") -> None:
         """Refuse a comparison whose two sides did not score the same tokens of the same panel."""

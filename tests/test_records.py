@@ -92,3 +92,22 @@ def test_clamped_engine_values_are_stored_as_minus_infinity():
         "c", "d", np.array([1, 2]), np.array([False, True]), np.array([[2, 3]]), np.array([[-0.01, -9999.0]]),
         np.array([-0.01]), np.array([1]))])
     assert rec.topk_logprobs[0, 1] == -np.inf
+
+
+def test_subset_equals_a_record_built_from_those_sequences_only():
+    from tests.recordkit import sequence_from_full, random_logprobs
+
+    rng = np.random.default_rng(3)
+    seqs = []
+    for s in range(4):
+        tokens = rng.integers(0, 30, size=5 + s)
+        seqs.append(sequence_from_full(f"s{s}", "ab"[s % 2], tokens, random_logprobs(rng, 4 + s, 30), 6))
+    whole = Record.from_sequences(provenance(), seqs)
+    direct = Record.from_sequences(provenance(), [seqs[1], seqs[3]])
+    sub = whole.subset(["s3", "s1"])
+    assert sub.seq_ids == ["s1", "s3"] and sub.domains == direct.domains
+    for name in ("seq_offsets", "token_ids", "scored", "pos_seq", "pos_index", "topk_ids", "topk_logprobs",
+                 "actual_logprob", "actual_rank"):
+        np.testing.assert_array_equal(getattr(sub, name), getattr(direct, name))
+    with pytest.raises(RecordError, match="s9"):
+        whole.subset(["s9"])

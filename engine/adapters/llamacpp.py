@@ -208,8 +208,245 @@ class LlamaCppPythonAdapter:
     keyed_by = "string"
     surface = "llama-cpp-python.completions.echo-shifted"
 
-    def __init__(self, vocab_size: int | None = None, text_of: Callable[[Sequence[int]], str] | None = None):
+    def __init__(self, vocab_size: int | None = None, text_of: Callable[[Sequence[int]], str] | None = None,
+                 bos_id: int | None = None):
         self.vocab_size = vocab_size
+        self.bos_id = bos_id  # the echo leaves out every token with this id (see prompt_logprobs)
+        # /extras/detokenize drops special tokens (chat markers), so a chat sequence cannot round-trip
+        # through it; `text_of` (the harness's own tokenizer, specials kept) supplies the text instead.
+        # Either way the engine's /extras/tokenize must give back exactly the ids, or the sequence is refused.
+        self.text_of = text_of
+        self._tok_cache: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- tokenizer endpoints
+    def tokenize(self, transport: Transport, text: str, seq_id: str | None = None) -> tuple[int, ...]:
+        with self._lock:
+            hit = self._tok_cache.get(text)
+        if hit is not None:
+            return hit
+        reply = transport.post_json("/extras/tokenize", {"input": text}, seq_id=seq_id)
+        toks = need(reply.data, "tokens", list, "/extras/tokenize response", seq_id=seq_id)
+        ids = tuple(token_id(t, "/extras/tokenize id", seq_id, None, self.vocab_size) for t in toks)
+        with self._lock:
+            self._tok_cache[text] = ids
+        return ids
+
+    def detokenize(self, transport: Transport, ids: Sequence[int], seq_id: str | None = None) -> str:
+        reply = transport.post_json("/extras/detokenize", {"tokens": [int(t) for t in ids]}, seq_id=seq_id)
+        return need(reply.data, "text", str, "/extras/detokenize response", seq_id=seq_id)
+
+    def text_for(self, transport: Transport, seq_id: str, ids: Sequence[int]) -> str:
+        """The text whose engine tokenization is exactly ``ids``; TokenRoundTripError otherwise."""
+        ids = [int(t) for t in ids]
+        text = self.text_of(ids) if self.text_of is not None else self.detokenize(transport, ids, seq_id)
+        back = list(self.tokenize(transport, text, seq_id))
+        if back != ids:
+            first = next((i for i, (a, b) in enumerate(zip(ids, back)) if a != b), min(len(ids), len(back)))
+            raise TokenRoundTripError(seq_id, first, ids, back)
+        return text
+
+    def _map_keys(self, transport: Transport, seq_id: str, keys: dict[str, float]) -> tuple[dict[int, float], bool]:
+        """String keys → {id: logprob}; ambiguous when a key is not exactly one id or two keys share an id."""
+        mapped: dict[int, float] = {}
+        ambiguous = False
+        for key, lp in keys.items():
+            tids = self.tokenize(transport, key, seq_id)
+            if len(tids) != 1 or tids[0] in mapped:
+                ambiguous = True
+                continue
+            mapped[tids[0]] = lp
+        return mapped, ambiguous
+
+    # -------------------------------------------------------------- scoring
+    def _complete(self, transport: Transport, seq_id: str, text: str, n_prompt: int, k: int, echo: bool,
+                  position: int | None):
+        body = {"model": transport.model, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": echo,
+                "logprobs": k}
+        reply = transport.post_json("/v1/completions", body, seq_id=seq_id)
+        try:
+            choice = single_choice(reply.data, seq_id)
+            check_model(reply.data, transport.model, seq_id)
+            prompt_tokens, _ = usage_cached_tokens(reply.data.get("usage"), seq_id)
+            if prompt_tokens != n_prompt:
+                raise EngineResponseError(Malformed.PROMPT_IDS_MISMATCH, f"engine tokenized the text into "
+                                          f"{prompt_tokens} tokens, {n_prompt} expected", seq_id, position)
+            lp = choice.get("logprobs")
+            if lp is None:
+                raise EngineResponseError(Malformed.MISSING_LOGPROBS, "choices[0].logprobs is null", seq_id, position)
+            tokens = need(lp, "tokens", list, "logprobs", seq_id=seq_id, position=position)
+            tlp = need(lp, "token_logprobs", list, "logprobs", seq_id=seq_id, position=position)
+            top = need(lp, "top_logprobs", list, "logprobs", seq_id=seq_id, position=position)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        if not (len(tokens) == len(tlp) == len(top)):
+            raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"{len(tokens)} tokens, {len(tlp)} token_logprobs, "
+                                      f"{len(top)} top entries", seq_id, position, reply.url)
+        return tokens, tlp, top, HttpTiming(1, reply.elapsed_s)
+
+    def _top_dict(self, entry: Any, what: str, seq_id: str, pos: int) -> dict[str, float]:
+        if entry is None:
+            raise EngineResponseError(Malformed.NULL_ENTRY, f"{what} is null", seq_id, pos)
+        if not isinstance(entry, dict):
+            raise EngineResponseError(Malformed.WRONG_TYPE, f"{what} is {type(entry).__name__}", seq_id, pos)
+        return {s: logprob_value(v, f"{what}[{s!r}]", seq_id, pos) for s, v in entry.items()}
+
+    def _prefix_dist(self, transport: Transport, seq_id: str, ids: list[int], p: int, n_probs: int):
+        """Unshifted distribution at position p from a non-echo request on text(ids[:p])."""
+        text = self.text_for(transport, seq_id, ids[:p])
+        tokens, tlp, top, timing = self._complete(transport, seq_id, text, p, n_probs, False, p)
+        if len(top) < 1:
+            raise EngineResponseError(Malformed.MISSING_LOGPROBS, "no generated position", seq_id, p)
+        return self._top_dict(top[0], "top_logprobs[0]", seq_id, p), timing
+
+    def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
+                        cache_salt: str | None = None) -> SequenceLogprobs:
+        """Prompt positions from one echo request, read through the 0.3.36 echo layout.
+
+        The echo loop of llama-cpp-python 0.3.36 (llama.py) walks ``all_tokens`` = the prompt minus a leading
+        BOS, pairs entry ``idx`` with the distribution that follows prompt token ``idx`` (it predicts token
+        ``idx + 1``), adds the key of ``all_tokens[idx]`` to that entry's top dict, and leaves out every entry
+        whose token is the BOS id. So with a leading BOS the entries are aligned (the added key is the actual
+        token, as in OpenAI's echo); without one they are shifted by one (upstream #1983: the added key is the
+        previous token). Positions whose distribution is not echoed (position 1, or the token after a
+        BOS-id token) come from a non-echo request on the prefix.
+        """
+        ids = [int(t) for t in token_ids]
+        n = len(ids)
+        text = self.text_for(transport, seq_id, ids)
+        timing = HttpTiming()
+        tokens, tlp, top, t = self._complete(transport, seq_id, text, n, k, True, None)
+        timing = timing + t
+        bos = self.bos_id
+        lead = 1 if (bos is not None and n and ids[0] == bos) else 0
+        echoed = [idx for idx, tid in enumerate(ids[lead:]) if bos is None or tid != bos]
+        if len(tokens) < len(echoed):
+            raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"echo covers {len(tokens)} tokens for {n} sent "
+                                      f"({n - len(echoed)} BOS-id tokens are never echoed)", seq_id)
+        entry_of = {idx: j for j, idx in enumerate(echoed)}
+        if echoed and (tlp[0] is not None or top[0] is not None):
+            raise EngineResponseError(Malformed.POSITION0_NOT_NULL, "echo entry 0 is not null", seq_id, 0)
+        rows: list[PositionLogprobs] = []
+        for p in range(1, n):
+            actual = ids[p]
+            j_actual = entry_of.get(p - lead)  # the entry whose token string is ids[p]
+            actual_str = tokens[j_actual] if j_actual is not None else None
+            if actual_str is not None and not isinstance(actual_str, str):
+                raise EngineResponseError(Malformed.WRONG_TYPE, f"tokens[{j_actual}] is {actual_str!r}", seq_id, p)
+            # a BOS-id token has no echoed string; its value is read but the position is marked ambiguous
+            ambiguous = actual_str is None or self.tokenize(transport, actual_str, seq_id) != (actual,)
+            outside_actual: float | None = None  # the actual's value when the echo adds it outside the top-k
+            j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
+            if j is None or j == 0:
+                keys, t = self._prefix_dist(transport, seq_id, ids, p, k)
+                timing = timing + t
+                if len(keys) > k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
+                greedy = max(keys.values()) if keys else None
+                # non-echo adds the sampled (greedy = top-1) token, so k keys unless a collision lost one
+                if len(keys) == k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k} although the "
+                                              f"sampled token is the top-1 ({greedy!r})", seq_id, p)
+            else:
+                keys = self._top_dict(top[j], f"top_logprobs[{j}]", seq_id, p)
+                extra_key = tokens[j]
+                if not isinstance(extra_key, str) or extra_key not in keys:
+                    raise EngineResponseError(Malformed.ACTUAL_MISSING, f"echo entry {j} lacks its token key "
+                                              f"{extra_key!r} (echo layout not found)", seq_id, p)
+                added = logprob_value(tlp[j], f"token_logprobs[{j}]", seq_id, p)
+                if keys[extra_key] != added:
+                    raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"echo entry {j}: key {extra_key!r} is "
+                                              f"{keys[extra_key]!r}, token_logprobs {added!r}", seq_id, p)
+                if len(keys) > k + 1:
+                    raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
+                if lead:
+                    # aligned: the added key is the actual token itself; k+1 keys mean it is outside the top-k
+                    if len(keys) == k + 1:
+                        outside_actual = keys.pop(extra_key)
+                elif len(keys) == k + 1:
+                    del keys[extra_key]          # shifted: the appended previous-token key is not a top-k member
+                elif len(keys) == k and k > 1 and keys[extra_key] <= min(v for x, v in keys.items() if x != extra_key):
+                    # either the previous token is exactly rank k, or it sits outside the top-k and a key
+                    # collision lost one member: the two look the same, so the position is ambiguous
+                    del keys[extra_key]
+                    ambiguous = True
+            if len(keys) < k:
+                ambiguous = True
+            mapped, amb = self._map_keys(transport, seq_id, keys)
+            ambiguous |= amb
+            order = sorted(mapped, key=lambda x: (-mapped[x], x))[:k]
+            top_ids = tuple(order)
+            top_lps = tuple(mapped[x] for x in order)
+            if outside_actual is not None:
+                actual_lp, rank = outside_actual, 0
+            elif actual in mapped:
+                actual_lp = mapped[actual]
+                rank = top_ids.index(actual) + 1 if actual in top_ids else 0
+            elif actual_str is None:
+                # a BOS-id token (a chat turn marker): no string to look it up by; never a scored position
+                # in a panel, recorded as ambiguous with probability 0 so no metric uses it
+                actual_lp, rank = float("-inf"), 0
+            else:
+                actual_lp, rank, t = self._actual_from_full(transport, seq_id, ids, p, actual_str)
+                timing = timing + t
+                if top_lps and actual_lp > top_lps[-1] + 1e-6 and not ambiguous:
+                    raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"actual {actual} outside the top-{k} "
+                                              f"with logprob {actual_lp!r} above the k-th {top_lps[-1]!r}", seq_id, p)
+            if ambiguous:
+                rank = 0
+            rows.append(PositionLogprobs(p, actual, actual_lp, rank, top_ids, top_lps, ambiguous))
+        return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "string", tuple(rows), timing, None)
+
+    def _actual_from_full(self, transport: Transport, seq_id: str, prefix: list[int], actual: int, pos: int):
+        if self.vocab_size is None:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING,
+                                      f"actual id {actual} is outside the top-k and llama-server does not append it; "
+                                      "give the adapter vocab_size to re-ask with n_probs = vocabulary", seq_id, pos)
+        reply = transport.post_json(COMPLETION, prefix_request(prefix, self.vocab_size), seq_id=seq_id)
+        try:
+            (_, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, self.vocab_size,
+                                                       self._model(transport), seq_id, self.vocab_size, pos)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        if actual not in ids:
+            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual id {actual} absent from the full distribution",
+                                      seq_id, pos)
+        lp = lps[ids.index(actual)]
+        rank = 1 + sum(1 for x in lps if x > lp)
+        return lp, rank, HttpTiming(1, reply.elapsed_s)
+
+    def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+                 **_: Any) -> Generation:
+        prompt = [int(t) for t in prompt_ids]
+        body = {"prompt": prompt, "n_predict": max_tokens, "n_probs": k, "temperature": 0, "cache_prompt": False,
+                "return_tokens": True, "post_sampling_probs": False}
+        reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+        data = reply.data
+        try:
+            n = need(data, "tokens_predicted", int, "response", seq_id=seq_id)
+            got = parse_completion_probs(data, len(prompt), n, k, self._model(transport), seq_id, self.vocab_size,
+                                         len(prompt))
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url) from None
+        rows = []
+        for j, (gid, glp, ids, lps) in enumerate(got):
+            rank = ids.index(gid) + 1 if gid in ids else 0
+            rows.append(PositionLogprobs(len(prompt) + j, gid, glp, rank, tuple(ids), tuple(lps)))
+        return Generation(seq_id, tuple(prompt), tuple(r.actual_id for r in rows), tuple(rows), k,
+                          "llama-server.completion", data.get("content") or "", data.get("stop_type"),
+                          len(prompt), None, HttpTiming(1, reply.elapsed_s))
+
+
+# ============================================================================================== llama-cpp-python
+class LlamaCppPythonAdapter:
+    name = "llama-cpp-python"
+    keyed_by = "string"
+    surface = "llama-cpp-python.completions.echo-shifted"
+
+    def __init__(self, vocab_size: int | None = None, text_of: Callable[[Sequence[int]], str] | None = None,
+                 bos_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id  # the echo leaves out every token with this id (see prompt_logprobs)
         # /extras/detokenize drops special tokens (chat markers), so a chat sequence cannot round-trip
         # through it; `text_of` (the harness's own tokenizer, specials kept) supplies the text instead.
         # Either way the engine's /extras/tokenize must give back exactly the ids, or the sequence is refused.
