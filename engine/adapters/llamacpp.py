@@ -333,8 +333,13 @@ class LlamaCppPythonAdapter:
             actual_str = tokens[j_actual] if j_actual is not None else None
             if actual_str is not None and not isinstance(actual_str, str):
                 raise EngineResponseError(Malformed.WRONG_TYPE, f"tokens[{j_actual}] is {actual_str!r}", seq_id, p)
-            # a BOS-id token has no echoed string; its value is read but the position is marked ambiguous
-            ambiguous = actual_str is None or self.tokenize(transport, actual_str, seq_id) != (actual,)
+            if actual_str is None:
+                # a BOS-id token (a chat turn marker in SmolLM2): this server leaves such tokens out of every
+                # logprob list, echo or generated, so its position cannot be read at all. Turn markers are
+                # never scored panel positions; the row says so (ambiguous, no values) rather than guess.
+                rows.append(PositionLogprobs(p, actual, float("-inf"), 0, (), (), True))
+                continue
+            ambiguous = self.tokenize(transport, actual_str, seq_id) != (actual,)
             outside_actual: float | None = None  # the actual's value when the echo adds it outside the top-k
             j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
             if j is None or j == 0:
@@ -382,10 +387,6 @@ class LlamaCppPythonAdapter:
             elif actual in mapped:
                 actual_lp = mapped[actual]
                 rank = top_ids.index(actual) + 1 if actual in top_ids else 0
-            elif actual_str is None:
-                # a BOS-id token (a chat turn marker): no string to look it up by; never a scored position
-                # in a panel, recorded as ambiguous with probability 0 so no metric uses it
-                actual_lp, rank = float("-inf"), 0
             else:
                 actual_lp, rank, t = self._actual_from_full(transport, seq_id, ids, p, actual_str)
                 timing = timing + t
