@@ -340,7 +340,7 @@ class LlamaCppPythonAdapter:
                 rows.append(PositionLogprobs(p, actual, float("-inf"), 0, (), (), True))
                 continue
             ambiguous = self.tokenize(transport, actual_str, seq_id) != (actual,)
-            outside_actual: float | None = None  # the actual's value when the echo adds it outside the top-k
+            known_actual: float | None = None  # the actual's value when the aligned echo states it
             j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
             if j is None or j == 0:
                 keys, t = self._prefix_dist(transport, seq_id, ids, p, k)
@@ -365,9 +365,11 @@ class LlamaCppPythonAdapter:
                 if len(keys) > k + 1:
                     raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
                 if lead:
-                    # aligned: the added key is the actual token itself; k+1 keys mean it is outside the top-k
+                    # aligned: the added key is the actual token itself, so its value is the actual's logprob
+                    # even when its string maps to no id (a special token); k+1 keys: outside the top-k
+                    known_actual = added
                     if len(keys) == k + 1:
-                        outside_actual = keys.pop(extra_key)
+                        del keys[extra_key]
                 elif len(keys) == k + 1:
                     del keys[extra_key]          # shifted: the appended previous-token key is not a top-k member
                 elif len(keys) == k and k > 1 and keys[extra_key] <= min(v for x, v in keys.items() if x != extra_key):
@@ -382,8 +384,9 @@ class LlamaCppPythonAdapter:
             order = sorted(mapped, key=lambda x: (-mapped[x], x))[:k]
             top_ids = tuple(order)
             top_lps = tuple(mapped[x] for x in order)
-            if outside_actual is not None:
-                actual_lp, rank = outside_actual, 0
+            if known_actual is not None:
+                actual_lp = known_actual
+                rank = top_ids.index(actual) + 1 if actual in top_ids else 0
             elif actual in mapped:
                 actual_lp = mapped[actual]
                 rank = top_ids.index(actual) + 1 if actual in top_ids else 0
