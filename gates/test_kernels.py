@@ -29,27 +29,20 @@ GATED = [(e, s) for e in REGISTRY.for_engine(ENGINE, include_test_only=False) if
 TEST_ONLY = [e for e in REGISTRY.for_engine(ENGINE) if e.test_only and e.runnable_on_cpu]
 
 
-def _results_dir(request, tmp_path_factory) -> Path:
-    for name in ("gate_results", "results_dir"):  # the lead's fixture, once it exists
-        try:
-            return Path(request.getfixturevalue(name))
-        except pytest.FixtureLookupError:
-            pass
-    opt = request.config.getoption("--results")
-    return Path(opt) if opt else tmp_path_factory.mktemp("kernel-gate")
 
 
 @pytest.fixture(scope="module")
-def kernel_run(request, tmp_path_factory):
+def kernel_run(request, gate_results):
     python = REGISTRY.engines[ENGINE].resolved_python(cache_dir())
     if not python.exists():
         pytest.skip(f"engine environment {ENGINE!r} not built: {python} missing (scripts/setup-vllm.sh)")
-    out = _results_dir(request, tmp_path_factory)
+    out = gate_results.out_dir
     try:
         results, info = run_kernel_gate(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
     except KernelGateError as e:
         pytest.fail(str(e))
     path = write_results(out / "kernels.json", results, info)
+    gate_results.add("kernels", {"cases": len(results), "runner_s": info["runner_s"], "file": str(path)})
     print(f"\nkernel gate: {len(results)} cases, runner {info['runner_s']:.1f} s -> {path}")
     return {(r.kernel, r.shape): r for r in results}
 
