@@ -343,7 +343,13 @@ class LlamaCppPythonAdapter:
             known_actual: float | None = None  # the actual's value when the aligned echo states it
             j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
             if j is None or j == 0:
-                keys, t = self._prefix_dist(transport, seq_id, ids, p, k)
+                try:
+                    keys, t = self._prefix_dist(transport, seq_id, ids, p, k)
+                except TokenRoundTripError:
+                    # the prefix's text tokenizes differently (a merge across the cut): this position's
+                    # context cannot be sent; the row says so (ambiguous, no values) rather than guess
+                    rows.append(PositionLogprobs(p, actual, float("-inf"), 0, (), (), True))
+                    continue
                 timing = timing + t
                 if len(keys) > k + 1:
                     raise EngineResponseError(Malformed.TOO_MANY_ENTRIES, f"{len(keys)} keys for k={k}", seq_id, p)
@@ -391,7 +397,11 @@ class LlamaCppPythonAdapter:
                 actual_lp = mapped[actual]
                 rank = top_ids.index(actual) + 1 if actual in top_ids else 0
             else:
-                actual_lp, rank, t = self._actual_from_full(transport, seq_id, ids, p, actual_str)
+                try:
+                    actual_lp, rank, t = self._actual_from_full(transport, seq_id, ids, p, actual_str)
+                except TokenRoundTripError:  # as above: the prefix cannot be sent as text
+                    rows.append(PositionLogprobs(p, actual, float("-inf"), 0, top_ids, top_lps, True))
+                    continue
                 timing = timing + t
                 if top_lps and actual_lp > top_lps[-1] + 1e-6 and not ambiguous:
                     raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"actual {actual} outside the top-{k} "
