@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
 import numpy as np
@@ -369,19 +369,8 @@ def parse_metrics(text: str, url: str = "/metrics") -> MetricsSnapshot:
 
 
 # ---------------------------------------------------------------------------------------------- panel scoring
-class _EncodedSequence(Protocol):
-    seq_id: str
-    domain: str
-    token_ids: Sequence[int]
-    scored_mask: Sequence[bool]
-
-
-class _EncodedPanel(Protocol):
-    panel_name: str
-    panel_version: Any
-    panel_hash: str
-    tokenizer_hash: str
-    sequences: Sequence[_EncodedSequence]
+# the panels seam (docs/DESIGN.md): what is scored is always an encoded panel
+from panels.model import EncodedPanel as _EncodedPanel, EncodedSequence as _EncodedSequence  # noqa: E402
 
 
 @dataclass

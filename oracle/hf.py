@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -38,19 +38,8 @@ class OracleError(RuntimeError):
     """The oracle cannot run on this input; the message names the model dir / sequence / position."""
 
 
-class _EncodedSequence(Protocol):
-    seq_id: str
-    domain: str
-    token_ids: Sequence[int]
-    scored_mask: Sequence[bool]
-
-
-class _EncodedPanel(Protocol):
-    panel_name: str
-    panel_version: Any
-    panel_hash: str
-    tokenizer_hash: str
-    sequences: Sequence[_EncodedSequence]
+# the panels seam (docs/DESIGN.md): what is scored is always an encoded panel
+from panels.model import EncodedPanel as _EncodedPanel, EncodedSequence as _EncodedSequence  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- hashing
