@@ -119,6 +119,18 @@ def text_of_ids(tokenizer_dir: str | os.PathLike):
     return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def vocab_strings(tokenizer_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Each id's own string as a string-keyed server renders it (invalid UTF-8 dropped, specials empty)
+    → every id that renders so. A string of several ids is a key collision."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    out: dict[str, list[int]] = {}
+    for i in range(tok.get_vocab_size()):
+        out.setdefault(tok.decode([i], skip_special_tokens=True).replace("\ufffd", ""), []).append(i)
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def adapter_for(engine: str, vocab_size: int | None = None, tokenizer_dir: str | os.PathLike | None = None):
     from engine.adapters.llamacpp import LlamaCppPythonAdapter, LlamaServerAdapter
     from engine.adapters.sglang import SglangAdapter
@@ -131,7 +143,8 @@ def adapter_for(engine: str, vocab_size: int | None = None, tokenizer_dir: str |
     if engine == "llama-cpp-python" and tokenizer_dir is not None:
         config = Path(tokenizer_dir) / "config.json"
         bos = json.loads(config.read_text()).get("bos_token_id") if config.is_file() else None
-        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir), bos_id=bos)
+        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir), bos_id=bos,
+                             vocab_strings=vocab_strings(tokenizer_dir))
     return table[engine](vocab_size=vocab_size)
 
 

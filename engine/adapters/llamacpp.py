@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Callable, Any, Sequence
+from typing import Callable, Mapping, Any, Sequence
 
 from engine.adapters.base import (
     Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, logprob_value, need,
@@ -209,8 +209,12 @@ class LlamaCppPythonAdapter:
     surface = "llama-cpp-python.completions.echo-shifted"
 
     def __init__(self, vocab_size: int | None = None, text_of: Callable[[Sequence[int]], str] | None = None,
-                 bos_id: int | None = None):
+                 bos_id: int | None = None, vocab_strings: Mapping[str, tuple[int, ...]] | None = None):
         self.vocab_size = vocab_size
+        # every id's own string as this server renders a key (partial UTF-8 dropped) → the ids sharing it.
+        # Re-tokenizing a key is not the inverse: " " + half a character renders as " " and tokenizes to the
+        # id of " ". With this map a key shared by several ids is a collision (engines.md §10 rule 2).
+        self.vocab_strings = vocab_strings
         self.bos_id = bos_id  # the echo leaves out every token with this id (see prompt_logprobs)
         # /extras/detokenize drops special tokens (chat markers), so a chat sequence cannot round-trip
         # through it; `text_of` (the harness's own tokenizer, specials kept) supplies the text instead.
@@ -251,7 +255,8 @@ class LlamaCppPythonAdapter:
         mapped: dict[int, float] = {}
         ambiguous = False
         for key, lp in keys.items():
-            tids = self.tokenize(transport, key, seq_id)
+            tids = self.vocab_strings.get(key, ()) if self.vocab_strings is not None else \
+                self.tokenize(transport, key, seq_id)
             if len(tids) != 1 or tids[0] in mapped:
                 ambiguous = True
                 continue
@@ -339,7 +344,8 @@ class LlamaCppPythonAdapter:
                 # never scored panel positions; the row says so (ambiguous, no values) rather than guess.
                 rows.append(PositionLogprobs(p, actual, float("-inf"), 0, (), (), True))
                 continue
-            ambiguous = self.tokenize(transport, actual_str, seq_id) != (actual,)
+            ambiguous = (self.vocab_strings.get(actual_str, ()) if self.vocab_strings is not None
+                         else self.tokenize(transport, actual_str, seq_id)) != (actual,)
             known_actual: float | None = None  # the actual's value when the aligned echo states it
             j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
             if j is None or j == 0:
