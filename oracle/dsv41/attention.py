@@ -8,7 +8,7 @@ import torch
 
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .numerics import Numerics, einsum, qdq4e, qdq8
+from .numerics import Numerics, einsum, in_f64, qdq4e, qdq8
 from .rope import apply_rope, layer_frequencies, rope_cis
 
 
@@ -84,12 +84,12 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     for s0 in range(0, z.shape[-1], block):
         zb, gb = z[..., s0:s0 + block], g[:, :, s0:s0 + block]
         new = torch.maximum(run, zb.amax(-1))
-        alpha = torch.exp(run - new)
-        p = torch.exp(zb - new.unsqueeze(-1))
-        den = den * alpha + p.sum(-1)
+        alpha = in_f64(torch.exp, run - new)  # fp32 exp, correctly rounded on every device
+        p = in_f64(torch.exp, zb - new.unsqueeze(-1))
+        den = den * alpha + in_f64(lambda t: t.sum(-1), p)
         acc = acc * alpha.unsqueeze(-1) + einsum("bmhk,bmkd->bmhd", num.r(p), gb)
         run = new
-    den = den + torch.exp(sink - run)
+    den = den + in_f64(torch.exp, sink - run)
     return num.r(acc / den.unsqueeze(-1))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, einsum, mm, qdq4p, topk_lowest_index
+from .numerics import Numerics, einsum, in_f64, mm, qdq4p, topk_lowest_index
 from .rope import apply_rope
 
 
@@ -44,14 +44,14 @@ class Compressor:
             if cut == 0:
                 return None
             kv, score = kv[:, :cut].unflatten(1, (-1, r)), score[:, :cut].unflatten(1, (-1, r))
-            pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # softmax over the group, per channel
+            pooled = in_f64(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # softmax over the group, per channel
         else:
             slot = start_pos % r
             cache.carry_kv[:, slot] = kv[:, 0]
             cache.carry_score[:, slot] = score[:, 0]
             if (start_pos + 1) % r:
                 return None
-            pooled = (cache.carry_kv * cache.carry_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+            pooled = in_f64(lambda v, z: (v * z.softmax(dim=1)).sum(dim=1, keepdim=True), cache.carry_kv, cache.carry_score)
         return num.rmsnorm(num.r(pooled), self.norm, eps)  # bf16 cast precedes the norm in the reference
 
 
@@ -104,7 +104,7 @@ class Indexer:
         K = index_k[:, :G]
         w = num.r(num.linear(x, self.weights_proj) * (D**-0.5 * H**-0.5))
         score = num.r(einsum("bshd,btd->bsht", q, K))
-        score = num.r(score.relu() * w.unsqueeze(-1)).sum(dim=2)
+        score = in_f64(lambda t: t.sum(dim=2), num.r(score.relu() * w.unsqueeze(-1)))
         score = num.r(score)  # the reference's top-k runs on bf16 scores (§5.3)
         if start_pos == 0:
             compress_lens = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import Numerics, mm
+from .numerics import Numerics, in_f64, mm
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc(j), hc(k)] (§6.4)."""
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    """mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc(j), hc(k)] (§6.4).
+    Each step is evaluated in float64 and rounded to fp32, so a row's result does not depend on how many
+    rows share the call (see numerics.in_f64)."""
+    pre = in_f64(torch.sigmoid, mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * in_f64(torch.sigmoid, mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    c = torch.softmax(c, dim=-1) + eps  # softmax over k (the output copy)
-    c = c / (c.sum(-2, keepdim=True) + eps)  # column normalisation
+    c = in_f64(lambda t: torch.softmax(t, dim=-1), c) + eps  # softmax over k (the output copy)
+    c = c / (in_f64(lambda t: t.sum(-2, keepdim=True), c) + eps)  # column normalisation
     for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)  # the last step is a column normalisation
+        c = c / (in_f64(lambda t: t.sum(-1, keepdim=True), c) + eps)
+        c = c / (in_f64(lambda t: t.sum(-2, keepdim=True), c) + eps)  # the last step is a column normalisation
     return pre, post, c
 
 
@@ -32,10 +34,10 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
     """[b, s, hc, d] x [b, s, hc] -> [b, s, d]; bf16-rounded in reference mode (§5.3)."""
-    return num.r(torch.sum(pre.unsqueeze(-1) * x, dim=-2))
+    return num.r(in_f64(lambda p, v: torch.sum(p.unsqueeze(-1) * v, dim=-2), pre, x))
 
 
 def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, num: Numerics):
     """new[k] = post[k] * f + sum_j comb[j, k] * res[j] (§9); the stream is bf16 in reference mode."""
-    y = post.unsqueeze(-1) * f.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * res.unsqueeze(-2), dim=-3)
-    return num.r(y)
+    mixed = in_f64(lambda c, r: torch.sum(c.unsqueeze(-1) * r.unsqueeze(-2), dim=-3), comb, res)
+    return num.r(post.unsqueeze(-1) * f.unsqueeze(-2) + mixed)

@@ -94,6 +94,18 @@ def einsum(eq: str, *ops: torch.Tensor) -> torch.Tensor:
     return torch.einsum(eq, *(o.double() for o in ops)).float()
 
 
+def in_f64(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """fn evaluated on float64 copies of fp32 operands, rounded once to fp32.
+
+    torch's CPU sigmoid / softplus / silu take a vectorised or a scalar path depending on the tensor's
+    shape, so the same value gives results 1 ulp apart in a 1-row decode call and a 20-row prefill call
+    (measured: 12 of 2,960 sigmoid values). A QDQ rounding or a top-k turns such an ulp into a visible
+    logit difference. In float64 the paths still differ, but ~2^-29 below fp32 resolution, so the
+    rounded fp32 result is the same (the correctly rounded one) except within that distance of a
+    rounding boundary. Sums go through here too, for the same reason (reduction order follows shape)."""
+    return fn(*(x.double() for x in xs)).float()
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 

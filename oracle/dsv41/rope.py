@@ -11,15 +11,18 @@ from .config import ModelConfig
 
 def rope_frequencies(rd: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
                      beta_fast: int = 32, beta_slow: int = 1) -> torch.Tensor:
-    """f_i = 1 / base^(2i/rd) in fp32; YaRN whenever original_seq_len > 0 (§10), independent of length."""
-    freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    """f_i = 1 / base^(2i/rd) in fp32; YaRN whenever original_seq_len > 0 (§10), independent of length.
+
+    Always built on the CPU, as the reference builds its table (§20.2 publishes those fp32 values): a CUDA
+    fp32 pow can land an ulp away, and the GPU mode must use the same table."""
+    freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device="cpu") / rd))
     if original_seq_len > 0:
         def corrected_dim(rotations: float) -> float:
             return rd * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
         low = max(math.floor(corrected_dim(beta_fast)), 0)
         high = min(math.ceil(corrected_dim(beta_slow)), rd - 1)
-        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         # the reference's operation order: (f / factor) * ramp + f * (1 - ramp), all fp32
         smooth = 1 - ramp
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
@@ -35,9 +38,10 @@ def layer_frequencies(cfg: ModelConfig, layer_id: int) -> torch.Tensor:
 
 
 def rope_cis(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """complex64 [n, rd/2]; angle = fp32(pos) * f_i rounded to fp32 (an fp32 outer product, §10.5 of §5.2)."""
-    angles = torch.outer(positions.to(torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    """complex64 [n, rd/2]; angle = fp32(pos) * f_i rounded to fp32 (an fp32 outer product, §10.5 of §5.2);
+    cos and sin of that fp32 angle in float64, rounded once (the same on every device)."""
+    angles = torch.outer(positions.to(torch.float32), freqs.to(positions.device)).double()
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -46,8 +50,10 @@ def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> tor
     x: [b, s, d] or [b, s, h, d]; cis: [s, rd/2]. Returns a new tensor (the rest of x unchanged)."""
     rd = 2 * cis.shape[-1]
     head, tail = x[..., :-rd], x[..., -rd:]
-    z = torch.view_as_complex(tail.float().contiguous().unflatten(-1, (-1, 2)))
-    c = cis.conj() if inverse else cis
+    # the complex product in float64, rounded once: fp32 complex multiplies are contracted into FMAs on
+    # CUDA but not on the CPU, an ulp apart, and the QDQ8 after RoPE can amplify one ulp (numerics.in_f64)
+    z = torch.view_as_complex(tail.double().contiguous().unflatten(-1, (-1, 2)))
+    c = (cis.conj() if inverse else cis).to(torch.complex128)
     c = c.view(1, c.shape[0], *([1] * (x.ndim - 3)), c.shape[-1])
-    rot = torch.view_as_real(z * c).flatten(-2)
+    rot = torch.view_as_real(z * c).flatten(-2).float()
     return torch.cat([head, rot], dim=-1)
