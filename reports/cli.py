@@ -65,6 +65,10 @@ def report_app(
                                               help="a name per engine record, in order (default: file stems)"),
     n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap resamples"),
     seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+    noise_floor: Optional[Path] = typer.Option(
+        None, "--noise-floor",
+        help="the oracle's other-precision record (e.g. reference-bf16 beside an fp32 reference); its KL is shown "
+             "next to every engine's"),
 ) -> None:
     """Score engine records against a reference record and write the panel report (JSON, Markdown, HTML)."""
     console = Console()
@@ -76,7 +80,11 @@ def report_app(
     try:
         ref = Record.load(reference)
         engines = [(lb, Record.load(p)) for lb, p in zip(labels, engine_records)]
-        paths = build_report(ref, engines, out, n_boot=n_boot, seed=seed)
+        floor = None
+        if noise_floor is not None:
+            floor_rec = Record.load(noise_floor)
+            floor = (f"oracle {floor_rec.provenance.precision}", floor_rec)
+        paths = build_report(ref, engines, out, n_boot=n_boot, seed=seed, noise_floor=floor)
     except (RecordError, ReportError) as exc:
         err.print(Text(f"error: {exc}", style="bold red"))
         raise typer.Exit(code=2)

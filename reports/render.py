@@ -8,6 +8,11 @@ Text taken from records, panels or `extra` is never trusted: the HTML environmen
 Markdown environment escapes every `{{ ... }}` output through `md_escape` (pipes, angle brackets,
 link/emphasis characters, newlines).
 
+`noise_floor=(label, record)` is the oracle's other precision mode (for DeepSeek-V4.1: the `reference-bf16`
+run beside the `fp32` reference, dsv41-architecture.md §5.5). It is scored against the reference like an
+engine, and the report shows its KL_part per domain next to every engine's, with the engine/floor ratio:
+an engine cannot be asked to sit closer to the oracle than the oracle's own rounding noise.
+
 `extra` lets later gates add sections without touching this module:
 
     extra = {
@@ -209,10 +214,44 @@ def _record_info(label: str, rec: Record) -> dict:
     }
 
 
+def evaluate_noise_floor(reference: Record, label: str, record: Record, n_boot: int = 2000,
+                         seed: int = 0) -> EngineResult:
+    """Score the oracle's other-precision record against the reference; refuse anything else."""
+    ref_p, nf_p = reference.provenance, record.provenance
+    if nf_p.side != "oracle":
+        raise ReportError(f"noise floor {label!r}: is an {nf_p.side!r} record; the noise floor is the oracle run "
+                          "in its other precision mode (e.g. ds41gate oracle run --precision reference-bf16)")
+    if nf_p.precision == ref_p.precision:
+        raise ReportError(f"noise floor {label!r}: has the reference's own precision {nf_p.precision!r}; "
+                          "it must be the oracle's other precision mode")
+    return evaluate(reference, [(label, record)], n_boot, seed)[0]
+
+
+def _noise_floor_data(floor: EngineResult, results: Sequence[EngineResult], domains: list[str]) -> dict:
+    """Per domain and overall: the floor's KL_part and each engine's KL_part as a multiple of it."""
+    def ratio(a: float, b: float) -> float:
+        return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
+
+    f = floor.panel
+    rows = {d: f.domains[d].kl_part.mean for d in domains}
+    return {
+        **_record_info(floor.label, floor.record),
+        "metrics": f.as_dict(),
+        "kl_part": {"domains": rows, "overall": f.overall.kl_part.mean, "macro": f.macro_kl},
+        "engine_ratio": {
+            r.label: {"domains": {d: ratio(r.panel.domains[d].kl_part.mean, rows[d]) for d in domains},
+                      "overall": ratio(r.panel.overall.kl_part.mean, f.overall.kl_part.mean),
+                      "macro": ratio(r.panel.macro_kl, f.macro_kl)}
+            for r in results},
+    }
+
+
 def report_data(reference: Record, results: Sequence[EngineResult], extra: Mapping[str, Any] | None = None,
-                n_boot: int = 2000, seed: int = 0, title: str | None = None) -> dict:
+                n_boot: int = 2000, seed: int = 0, title: str | None = None,
+                noise_floor: EngineResult | None = None) -> dict:
     """Everything the report shows, as plain JSON types (pure apart from the creation time)."""
     prov = reference.provenance
+    domains = list(dict.fromkeys(reference.domains))
     return jsonable({
         "format": REPORT_FORMAT,
         "title": title or f"KL panel report: {prov.panel_name}@{prov.panel_version}",
@@ -227,7 +266,8 @@ def report_data(reference: Record, results: Sequence[EngineResult], extra: Mappi
             "ci_level": 0.95,
         },
         "reference": _record_info("reference", reference),
-        "domains": list(dict.fromkeys(reference.domains)),
+        "domains": domains,
+        "noise_floor": None if noise_floor is None else _noise_floor_data(noise_floor, results, domains),
         "engines": [{**_record_info(r.label, r.record), "metrics": r.panel.as_dict(), "derived": _derived(reference, r)}
                     for r in results],
         "comparison": compare(reference, results, n_boot, seed),
@@ -347,12 +387,14 @@ def write_text_atomic(path: Path, text: str) -> Path:
 
 def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
                  extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
-                 title: str | None = None) -> ReportPaths:
-    """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`."""
+                 title: str | None = None, noise_floor: tuple[str, Record] | None = None) -> ReportPaths:
+    """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`.
+    `noise_floor`: (label, the oracle's other-precision record), shown beside every engine's KL."""
     from reports import plots  # matplotlib is imported only when a report is drawn
 
     results = evaluate(reference, engines, n_boot, seed)
-    data = report_data(reference, results, extra, n_boot, seed, title)
+    floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
+    data = report_data(reference, results, extra, n_boot, seed, title, floor)
     images = plots.render_all(data, results)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")

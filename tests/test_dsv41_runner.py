@@ -308,3 +308,35 @@ def test_row_read_engram_tables_give_the_same_record(tiny, panel_json, uninterru
     rec = run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path / "w", _opts())
     assert_same_record(rec, uninterrupted)
     assert rec.provenance.source["tensors_read"] == uninterrupted.provenance.source["tensors_read"] - 4  # 2 tables
+
+
+def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_json, tmp_path):
+    """§5.5: the KL between the oracle's two precision modes is the noise floor each report shows next to
+    engine KL. With k covering the vocabulary KL_part is the full KL, so the floor per domain must equal
+    scipy's rel_entr over the two records' full distributions."""
+    from scipy.special import rel_entr
+
+    from reports.render import ReportError, build_report
+
+    vocab = Checkpoint(tiny).model_config.vocab_size
+    panel = panel_from_json(panel_json)
+    fp32 = run_panel(Checkpoint(tiny), panel, tmp_path / "w32", _opts(top_k=vocab))
+    bf16 = run_panel(Checkpoint(tiny), panel, tmp_path / "w16", _opts(top_k=vocab, precision="reference-bf16"))
+    paths = build_report(fp32, [("engine-like", bf16)], tmp_path / "report", n_boot=100,
+                         noise_floor=("oracle reference-bf16", bf16))
+    data = json.loads(paths.json.read_text())
+    floor = data["noise_floor"]
+    kl = rel_entr(np.exp(fp32.full_logprobs.astype(np.float64)),
+                  np.exp(bf16.full_logprobs.astype(np.float64))).sum(-1)
+    domains = np.asarray(fp32.domains)[fp32.pos_seq]
+    assert set(floor["kl_part"]["domains"]) == {"chat", "code"}
+    for d, value in floor["kl_part"]["domains"].items():
+        assert value == pytest.approx(kl[domains == d].mean(), rel=1e-4, abs=1e-9)
+        assert value > 0  # the two modes do differ on this model
+        assert data["noise_floor"]["engine_ratio"]["engine-like"]["domains"][d] == pytest.approx(1.0)
+    md = paths.markdown.read_text()
+    assert "## KL_part beside the oracle noise floor" in md
+    assert "noise floor (oracle reference-bf16)" in md and 'id="noise-floor"' in paths.html.read_text()
+
+    with pytest.raises(ReportError, match="own precision 'fp32'"):
+        build_report(fp32, [("e", bf16)], tmp_path / "r2", n_boot=100, noise_floor=("same", fp32))

@@ -380,3 +380,33 @@ def test_cli_default_labels_are_unique_stems(tmp_path):
                            terminal_width=200)
     assert r.exit_code == 0, r.output
     assert [e["label"] for e in _strict_json(out / "report.json")["engines"]] == ["e", "e#2"]
+
+
+def test_cli_noise_floor_is_shown_beside_each_engine_and_engine_records_are_refused(tmp_path):
+    ref, eng, full = _records(noise=0.3)
+    _, floor_eng, _ = _records(noise=0.1)  # same seed: same tokens; a closer "oracle in bf16"
+    floor = dataclasses.replace(floor_eng, provenance=dataclasses.replace(
+        floor_eng.provenance, side="oracle", precision="reference-bf16"))
+    for name, rec in (("ref", ref), ("eng", eng), ("floor", floor), ("floor_engine_side", floor_eng)):
+        rec.save(tmp_path / f"{name}.safetensors")
+    args = [str(tmp_path / "ref.safetensors"), str(tmp_path / "eng.safetensors"), "--n-boot", "200"]
+    result = CliRunner().invoke(_cli(), args + ["--out", str(tmp_path / "out"),
+                                               "--noise-floor", str(tmp_path / "floor.safetensors")])
+    assert result.exit_code == 0, result.output
+    data = _strict_json(tmp_path / "out" / "report.json")
+    nf = data["noise_floor"]
+    assert nf["label"] == "oracle reference-bf16"
+    expected = metrics.panel_metrics(ref, floor, n_boot=200)
+    for d in DOMAINS:
+        assert nf["kl_part"]["domains"][d] == pytest.approx(expected.domains[d].kl_part.mean)
+        engine_kl = data["engines"][0]["metrics"]["domains"][d]["kl_part"]["mean"]
+        assert nf["engine_ratio"]["eng"]["domains"][d] == pytest.approx(engine_kl / expected.domains[d].kl_part.mean)
+        assert nf["engine_ratio"]["eng"]["domains"][d] > 1  # noise 0.3 sits above a 0.1 floor
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## KL_part beside the oracle noise floor" in md
+
+    bad = CliRunner().invoke(_cli(), args + ["--out", str(tmp_path / "bad"),
+                                             "--noise-floor", str(tmp_path / "floor_engine_side.safetensors")])
+    assert bad.exit_code == 2
+    assert "is an 'engine' record" in bad.output
+    assert not (tmp_path / "bad" / "report.json").exists()
