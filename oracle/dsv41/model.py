@@ -95,17 +95,27 @@ class Block:
         return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num)
 
     def __call__(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
+        ffn_in, pending = self.attention_part(x, pre_in, ctx)
+        return self.ffn_part(self.ffn(ffn_in, ctx.image_mask, ctx.num), pending, ctx.num)
+
+    # The block in two parts, so that a runner can send the FFN inputs of several sequences through one
+    # MoE call (every op is row-independent, numerics.in_f64): each expert weight is then used once per
+    # group of sequences instead of once per sequence.
+    def attention_part(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
+        """-> (the FFN input [b, s, d], what ffn_part needs)."""
         num, eps = ctx.num, self.cfg.norm_eps
         res = x
         a_pre, a_post, a_comb = self.mixes(x, self.hc_attn)
         y = self.run_attn(num.rmsnorm(hc_pre(x, pre_in, num), self.attn_norm, eps), ctx)
         x = hc_post(y, res, a_post, a_comb, num)
-        res = x
         f_pre, f_post, f_comb = self.mixes(x, self.hc_ffn)
         # the FFN input collapses with the ATTENTION's pre; f_pre goes to the next block (§9)
-        y = self.ffn(num.rmsnorm(hc_pre(x, a_pre, num), self.ffn_norm, eps), ctx.image_mask, num)
-        x = hc_post(y, res, f_post, f_comb, num)
-        return x, f_pre
+        return num.rmsnorm(hc_pre(x, a_pre, num), self.ffn_norm, eps), (x, f_pre, f_post, f_comb)
+
+    @staticmethod
+    def ffn_part(y: torch.Tensor, pending, num: Numerics):
+        res, f_pre, f_post, f_comb = pending
+        return hc_post(y, res, f_post, f_comb, num), f_pre
 
 
 @dataclass

@@ -8,7 +8,9 @@ layer's weights at a time.
 Order of work (why: every weight is read once per panel, and memory is one layer + the activations):
 
     stage 0        embed.weight                  -> per sequence: h = 4 copies of the embedding, pre = e0
-    stage L + 1    layers.L (+ its Engram)       -> per sequence: Engram, Block(L) over the sequence
+    stage L + 1    layers.L (+ its Engram)       -> per sequence: Engram, Block(L) attention part; then one
+                                                    MoE call over a group of sequences' FFN inputs (each
+                                                    expert used once per group, not once per sequence)
     head           norm.weight, head.weight      -> per sequence: logits -> top-K / logsumexp -> Record
 
 Between stages every sequence's *state* (h [s, hc, d], pre [s, hc], and the attention state later layers
@@ -60,6 +62,9 @@ TOP_K = 256
 WHOLE_TABLE_BYTES = 1 << 30
 # LayerCache fields only the owning layer reads, and only in decode: dropped after the layer (prefill only)
 PREFILL_ONLY_CACHE_FIELDS = ("window_kv", "carry_kv", "carry_score", "ring")
+# Sequences share one MoE call while their pending fp32 state (FFN input and output, the residual stream
+# and the mHC mixes) stays under this many bytes; a longer sequence goes alone.
+MOE_GROUP_BYTES = 1 << 28
 KILL_ENV = "DS41_RUNNER_KILL"  # test hook: "point@stage[,point@stage...]" -> SIGKILL at that point
 
 
@@ -323,9 +328,23 @@ def _load_layer(ck: Checkpoint, L: int, device: str) -> tuple[dict, int]:
     whole = spec is None or spec.rows * spec.width * 4 <= WHOLE_TABLE_BYTES
     w = {prefix + k: v.to(device) for k, v in ck.load_layer(L, tables=whole).items()}
     nbytes = sum(t.numel() * t.element_size() for t in w.values())
+    for name in [n for n in w if _dot_only_weight(n)]:
+        w[name] = w[name].double()  # replaces the fp32 copy: see _dot_only_weight
     if not whole:
         w[table + ".weight"] = _EngramRows(ck, L, device)
     return w, nbytes
+
+
+def _dot_only_weight(name: str) -> bool:
+    """The non-expert matrices of a layer, which the forward uses only as dot-product operands. The oracle
+    accumulates every dot product in float64 (numerics.mm), which converts the weight on each call; held in
+    float64 for the stage instead, they are converted once, not once per sequence (values unchanged, so the
+    record is bit-identical). They are a few percent of a release layer, whose bulk (the routed experts)
+    stays fp32 and is converted once per MoE group. The stage's fp32 working set (the memory bound) is
+    counted before this conversion."""
+    if ".experts." in name or ".engram.embed." in name or not name.endswith((".weight", "_fn")):
+        return False
+    return not name.endswith(("norm.weight", "q_weight", "k_weight"))
 
 
 def _load_named(ck: Checkpoint, names: dict[str, str], device: str) -> tuple[dict, int]:
@@ -579,19 +598,21 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                 stats.read_s += time.perf_counter() - t
                 if nbytes > stats.largest_stage_weight_bytes:
                     stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
-                for i, seq in enumerate(seqs):
+                for group in moe_groups(seqs, cfg):
                     t = time.perf_counter()
-                    state = reader.get(i) if reader is not None else None
+                    states = [reader.get(i) if reader is not None else None for i in group]
                     t2 = time.perf_counter()
-                    arrays, meta = step(seq, state)
+                    outputs = step([seqs[i] for i in group], states)
                     t3 = time.perf_counter()
-                    writer.put(arrays, meta)
-                    del arrays, state
+                    del states
+                    for i, (arrays, meta) in zip(group, outputs):
+                        writer.put(arrays, meta)
+                        bar.step()
+                        if i == 0:
+                            _fault("seq", stage)
+                    del outputs, arrays
                     stats.io_s += (t2 - t) + (time.perf_counter() - t3)
                     stats.compute_s += t3 - t2
-                    bar.step()
-                    if i == 0:
-                        _fault("seq", stage)
                 del step, w  # the stage's weights go before the next stage loads its own
                 t = time.perf_counter()
                 sha = writer.commit(lambda point, s=stage: _fault(point, s))
@@ -639,27 +660,60 @@ def run_to_file(ck: Checkpoint, panel: PanelInput, out: str | os.PathLike, work:
     return rec
 
 
+def moe_groups(seqs: Sequence[PanelSequence], cfg, limit_bytes: int = MOE_GROUP_BYTES) -> list[list[int]]:
+    """Consecutive panel indices, grouped so that each group's pending state stays under `limit_bytes`."""
+    per_token = 4 * (3 * cfg.hc_mult * cfg.dim + 2 * cfg.dim + cfg.hc_mult * (cfg.hc_mult + 2))
+    groups: list[list[int]] = []
+    used = 0
+    for i, seq in enumerate(seqs):
+        need = per_token * len(seq.token_ids)
+        if not groups or used + need > limit_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += need
+    return groups
+
+
 def _embed_step(embed: Embedding, hc: int, opts: RunOptions):
-    def step(seq: PanelSequence, _state):
-        ids = torch.tensor([seq.token_ids], dtype=torch.int64)
-        h = embed(ids).unsqueeze(2).repeat(1, 1, hc, 1)  # 4 identical copies (§7)
-        pre = torch.zeros(1, len(seq.token_ids), hc)
-        pre[..., 0] = 1.0  # one-hot on copy 0
-        st = ModelState(num=Numerics(opts.precision), batch=1)
-        return _capture(st, h, pre)
+    def step(group: list[PanelSequence], _states):
+        out = []
+        for seq in group:
+            ids = torch.tensor([seq.token_ids], dtype=torch.int64)
+            h = embed(ids).unsqueeze(2).repeat(1, 1, hc, 1)  # 4 identical copies (§7)
+            pre = torch.zeros(1, len(seq.token_ids), hc)
+            pre[..., 0] = 1.0  # one-hot on copy 0
+            out.append(_capture(ModelState(num=Numerics(opts.precision), batch=1), h, pre))
+        return out
     return step
 
 
 def _layer_step(block: Block, engram: Engram | None, hasher: NgramHasher | None, opts: RunOptions):
-    def step(seq: PanelSequence, state):
-        st, h, pre = _restore(*state, opts.precision, opts.device)
-        if engram is not None:
-            with torch.device("cpu"):  # the hasher's tables live on the CPU
-                ids = torch.tensor([seq.token_ids], dtype=torch.int64)
-                hashes, _ = hasher(ids, hasher.new_history(1), 0)
-            h = engram(h, hashes[:, :, engram.index].to(opts.device), None, st.num)
-        h, pre = block(h, pre, StepContext(0, st))
-        return _capture(st, h, pre)
+    """Block(L) over a group of sequences: the attention part per sequence, then ONE MoE call over the
+    concatenated FFN inputs (the MoE is per token and every op is row-independent, so this is bit-identical
+    to a call per sequence; tested against the in-memory forward). The router's tie counts of the group
+    are credited to its first sequence: the run's totals are exact."""
+    def step(group: list[PanelSequence], states):
+        runs, ffn_inputs = [], []
+        for seq, state in zip(group, states):
+            st, h, pre = _restore(*state, opts.precision, opts.device)
+            if engram is not None:
+                with torch.device("cpu"):  # the hasher's tables live on the CPU
+                    ids = torch.tensor([seq.token_ids], dtype=torch.int64)
+                    hashes, _ = hasher(ids, hasher.new_history(1), 0)
+                h = engram(h, hashes[:, :, engram.index].to(opts.device), None, st.num)
+            ffn_in, pending = block.attention_part(h, pre, StepContext(0, st))
+            runs.append((st, pending))
+            ffn_inputs.append(ffn_in)
+            del h, pre
+        lengths = [x.shape[1] for x in ffn_inputs]
+        y = block.ffn(torch.cat(ffn_inputs, dim=1), None, runs[0][0].num)
+        del ffn_inputs
+        out = []
+        for (st, pending), y_seq in zip(runs, torch.split(y, lengths, dim=1)):
+            h, pre = block.ffn_part(y_seq, pending, st.num)
+            out.append(_capture(st, h, pre))
+        return out
     return step
 
 
