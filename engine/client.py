@@ -264,15 +264,27 @@ class EngineClient:
         return self.adapter.generate(self, seq_id, prompt_ids, max_tokens, k)
 
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc",
-               cache_salt: str | None = None) -> StreamedGeneration:
-        """Greedy streamed generation (vLLM shape) with per-chunk arrival times (TTFT, inter-token)."""
+               cache_salt: str | None = None, ignore_eos: bool = False, extra: Mapping[str, Any] | None = None,
+               on_tokens: Callable[[int], None] | None = None) -> StreamedGeneration:
+        """Greedy streamed generation (vLLM shape) with per-chunk arrival times (TTFT, inter-token).
+
+        cache_salt: a fresh one unless given (a chosen salt lets the prefix cache hit on purpose);
+        ignore_eos: generate exactly max_tokens (fixed-length gates); extra: more request-body fields;
+        on_tokens(total): called after every chunk that carried tokens (e.g. to start a companion request
+        mid-decode). usage.prompt_tokens and usage.completion_tokens, when sent, must match what was sent
+        and what streamed."""
         from engine.adapters import vllm as v
+        from engine.adapters.base import usage_cached_tokens
 
         if getattr(self.adapter, "name", None) != "vllm":
             raise UnsupportedSurface(f"streaming is implemented for the vLLM adapter, not {self.adapter.name!r}")
         self._check_ids(prompt_ids, seq_id)
+        prompt_ids = [int(x) for x in prompt_ids]
         salt = cache_salt if cache_salt is not None else v.fresh_salt()
         body = v.generate_request(self.model, prompt_ids, max_tokens, k, salt, stream=True)
+        if ignore_eos:
+            body["ignore_eos"] = True
+        body.update(extra or {})
         ids: list[int] = []
         rows: list[PositionLogprobs] = []
         text: list[str] = []
@@ -290,11 +302,16 @@ class EngineClient:
             counts.append(len(got))
             finish = fin or finish
             usage = u if u is not None else usage
-        from engine.adapters.base import usage_cached_tokens
+            if got and on_tokens is not None:
+                on_tokens(len(ids))
         prompt_tokens, cached = usage_cached_tokens(usage, seq_id)
         if prompt_tokens is not None and prompt_tokens != len(prompt_ids):
             raise EngineResponseError(Malformed.USAGE_MALFORMED,
                                       f"usage.prompt_tokens {prompt_tokens} != {len(prompt_ids)} ids sent", seq_id)
+        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if completion is not None and completion != len(ids):
+            raise EngineResponseError(Malformed.USAGE_MALFORMED,
+                                      f"usage.completion_tokens {completion} but {len(ids)} ids streamed", seq_id)
         gen = Generation(seq_id, tuple(prompt_ids), tuple(ids), tuple(rows), k, "vllm.completions.stream", "".join(text),
                          finish, prompt_tokens, cached,
                          HttpTiming(1, times[-1] if times else 0.0))

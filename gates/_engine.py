@@ -1,9 +1,9 @@
 """IO edge of the engine-behaviour gates: request shapes the gates need beyond EngineClient's defaults.
 
-EngineClient.generate/stream send greedy requests with a fresh salt and no ``ignore_eos``; the gates
-need fixed lengths (``ignore_eos``), chosen salts (prefix cache) and concurrent bursts. These helpers
-build the same vLLM bodies (``engine.adapters.vllm.generate_request``), add those fields, and parse with
-the adapter's strict parsers, so every reply is checked exactly like the client's own calls.
+The gates need fixed lengths (``ignore_eos``), chosen salts (prefix cache) and concurrent bursts.
+``stream`` is EngineClient.stream with those defaults and a send timestamp; ``complete`` builds the same
+vLLM body as the client (``engine.adapters.vllm.generate_request``) plus those fields and parses with the
+adapter's strict parser, so every reply is checked exactly like the client's own calls.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from engine.adapters import vllm as v
-from engine.adapters.base import Generation, HttpTiming, StreamedGeneration, usage_cached_tokens
+from engine.adapters.base import Generation, HttpTiming, StreamedGeneration
 from engine.client import EngineClient
 
 
@@ -47,39 +47,11 @@ class Timed:
 def stream(client: EngineClient, prompt_ids: Sequence[int], max_tokens: int, k: int = 1, *,
            salt: str | None = None, ignore_eos: bool = True, seq_id: str = "gate",
            on_tokens: Callable[[int], None] | None = None) -> Timed:
-    """Streamed greedy completion with per-chunk arrival times; ``on_tokens(total)`` after each token chunk."""
-    ids_in = list(map(int, prompt_ids))
-    body = v.generate_request(client.model, ids_in, max_tokens, k, salt if salt is not None else v.fresh_salt(),
-                              stream=True)
-    body["ignore_eos"] = ignore_eos
-    ids: list[int] = []
-    rows = []
-    text: list[str] = []
-    times: list[float] = []
-    counts: list[int] = []
-    finish = usage = None
+    """EngineClient.stream with the gates' default (fixed length: ignore_eos) and the send time stamped."""
     t_send = time.perf_counter()
-    for ev in client.stream_events(v.COMPLETIONS, body, seq_id=seq_id):
-        got, r, t, fin, u = v.parse_stream_chunk(ev.data, client.model, seq_id, len(ids_in) + len(ids), k,
-                                                 client.config.vocab_size)
-        ids += got
-        rows += r
-        text.append(t)
-        times.append(ev.t_s)
-        counts.append(len(got))
-        finish = fin or finish
-        usage = u if u is not None else usage
-        if got and on_tokens is not None:
-            on_tokens(len(ids))
-    prompt_tokens, cached = usage_cached_tokens(usage, seq_id)
-    completion = (usage or {}).get("completion_tokens") if isinstance(usage, dict) else None
-    gen = Generation(seq_id, tuple(ids_in), tuple(ids), tuple(rows), k, "vllm.completions.stream", "".join(text),
-                     finish, prompt_tokens, cached, HttpTiming(1, times[-1] if times else 0.0))
-    if completion is not None and completion != len(ids):
-        from engine.errors import EngineResponseError, Malformed
-        raise EngineResponseError(Malformed.USAGE_MALFORMED,
-                                  f"usage.completion_tokens {completion} but {len(ids)} ids streamed", seq_id)
-    return Timed(StreamedGeneration(gen, tuple(times), tuple(counts)), t_send)
+    got = client.stream(prompt_ids, max_tokens, k, seq_id=seq_id, cache_salt=salt, ignore_eos=ignore_eos,
+                        on_tokens=on_tokens)
+    return Timed(got, t_send)
 
 
 def together(calls: Sequence[Callable[[], Any]], stagger_s: float = 0.0) -> list[Any]:

@@ -556,6 +556,33 @@ def test_stream_times_and_tokens(fake):
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_stream_options_reach_the_body_and_on_tokens_sees_each_chunk(fake):
+    fake.routes["/v1/completions"] = lambda b: Reply(200, chunks=_sse(_stream_chunks(b["prompt"], 4, 3)),
+                                                     content_type="text/event-stream")
+    c, _ = client_for(fake)
+    seen = []
+    s = c.stream(IDS, 4, 3, seq_id="st", cache_salt="salt-1", ignore_eos=True, extra={"min_tokens": 4},
+                 on_tokens=seen.append)
+    body = fake.requests[-1][1]
+    assert body["cache_salt"] == "salt-1" and body["ignore_eos"] is True and body["min_tokens"] == 4
+    assert seen == [1, 2, 3, 4] and len(s.generation.token_ids) == 4
+    c.stream(IDS, 4, 3)
+    assert "ignore_eos" not in fake.requests[-1][1] and fake.requests[-1][1]["cache_salt"] != "salt-1"
+
+
+def test_stream_completion_token_count_must_match_what_streamed(fake):
+    def reply(b):
+        chunks = _stream_chunks(b["prompt"], 3, 3)
+        chunks[-1]["usage"]["completion_tokens"] = 5  # three streamed, five claimed
+        return Reply(200, chunks=_sse(chunks), content_type="text/event-stream")
+
+    fake.routes["/v1/completions"] = reply
+    c, _ = client_for(fake)
+    with pytest.raises(EngineResponseError) as ei:
+        c.stream(IDS, 3, 3, seq_id="st")
+    assert ei.value.kind == Malformed.USAGE_MALFORMED and "completion_tokens 5 but 3" in str(ei.value)
+
+
 @pytest.mark.parametrize("events,done,detail", [
     (["{\"model\": \"fake-model\", \"choices\": [}"], True, "chunk"),
     ([{"model": MODEL, "choices": []}], False, "[DONE]"),
