@@ -20,10 +20,8 @@ pytestmark = [pytest.mark.gate, pytest.mark.engine]
 def _cell(client, tok, case, max_tokens, answer_prefix=""):
     from panels.needles import build_haystack
 
-    hay = build_haystack(tok, case.length, case.depth, case.seed, chat=True)
+    hay = build_haystack(tok, case.length, case.depth, case.seed, chat=True, answer_prefix=answer_prefix)
     ids = [int(t) for t in hay.token_ids]
-    if answer_prefix:  # the assistant turn starts with the answer's opening words
-        ids += tok.tokenizer.encode(answer_prefix, add_special_tokens=False).ids
     st = _engine.stream(client, ids, max_tokens, 1, ignore_eos=False, seq_id=f"needle-{case.length}-{case.depth}")
     gen = st.generation
     assert gen.prompt_tokens in (None, len(ids))

@@ -272,25 +272,38 @@ def assemble(
     return FillerPrompt(token_ids=ids, insert_token_offset=offset, pieces=pieces)
 
 
-def build_haystack(tok: PanelTokenizer, target_tokens: int, depth: float, seed: int, *, chat: bool = True) -> Haystack:
+def build_haystack(tok: PanelTokenizer, target_tokens: int, depth: float, seed: int, *, chat: bool = True,
+                   answer_prefix: str = "") -> Haystack:
     """A prompt of at most `target_tokens` tokens (within one filler paragraph of it) with the needle
     at about `depth` of the way through the filler (never before the first paragraph). Same
-    arguments and tokenizer give the same ids."""
+    arguments and tokenizer give the same ids.
+
+    `answer_prefix` (chat only) opens the assistant's turn with the answer's first words (e.g. "The
+    passphrase is"), tokenized on its own and appended: small models then answer instead of chatting,
+    so the gate measures retrieval, not instruction following. It is not counted in `target_tokens`."""
     if not 0.0 <= depth <= 1.0:
         raise NeedleError(f"depth must be in [0, 1], got {depth}")
+    if answer_prefix and not chat:
+        raise NeedleError("answer_prefix opens the assistant turn, so it needs chat=True")
     passphrase = make_passphrase(seed)
     fp = assemble(_filler(tok, chat), target_tokens, f"needle/{seed}", NEEDLE_TEMPLATE.format(passphrase=passphrase), depth)
     assert fp.insert_token_offset is not None
+    ids, pieces = fp.token_ids, fp.pieces
+    if answer_prefix:
+        extra = np.asarray(tok.tokenizer.encode(answer_prefix, add_special_tokens=False).ids, dtype=np.int64)
+        ids = np.concatenate([ids, extra])
+        ids.setflags(write=False)
+        pieces = (*pieces, answer_prefix)
     return Haystack(
         seed=seed,
         target_tokens=target_tokens,
         depth=depth,
         passphrase=passphrase,
-        token_ids=fp.token_ids,
+        token_ids=ids,
         needle_token_offset=fp.insert_token_offset,
         chat=chat,
         tokenizer_hash=tok.hash,
-        _pieces=fp.pieces,
+        _pieces=pieces,
     )
 
 

@@ -41,6 +41,17 @@ def test_ids_equal_tokenizing_the_whole_prompt(tok, chat, depth):
         assert h.text().endswith(tok.chat_format.render([], (), add_generation_prompt=True)[-8:])
 
 
+def test_answer_prefix_opens_the_assistant_turn(tok):
+    plain = build_haystack(tok, 2048, 0.5, seed=4)
+    primed = build_haystack(tok, 2048, 0.5, seed=4, answer_prefix="The passphrase is")
+    prefix_ids = tok.tokenizer.encode("The passphrase is", add_special_tokens=False).ids
+    assert list(primed.token_ids) == list(plain.token_ids) + prefix_ids
+    assert primed.text() == plain.text() + "The passphrase is"
+    assert primed.needle_token_offset == plain.needle_token_offset and not primed.token_ids.flags.writeable
+    with pytest.raises(NeedleError, match="needs chat=True"):
+        build_haystack(tok, 2048, 0.5, seed=4, chat=False, answer_prefix="The passphrase is")
+
+
 def test_exact_at_128k_with_smollm2():
     tok = load_tokenizer("smollm2")
     h = build_haystack(tok, 131_072, 0.3, seed=11)
