@@ -153,3 +153,42 @@ def test_llamacpp_python_panel_record(llama, tmp_path):
     delta = np.abs(rec.actual_logprob[ok] - ref.actual_logprob[ok])
     assert np.median(delta) <= 2e-3 and np.max(delta) <= 2e-2
     rec.save(tmp_path / "llama.safetensors")
+
+
+class _NoCalls:
+    """A transport that fails the test if the adapter reaches the engine (keys must map offline)."""
+
+    def post_json(self, *a, **k):
+        raise AssertionError("the key map must not re-tokenize through the engine")
+
+
+def test_string_keys_shared_by_several_ids_are_collisions_not_the_retokenized_id():
+    """engines.md §10 rule 2: a key rendered by two ids is ambiguous (its entry dropped); an unknown key too;
+    two keys naming one id as well. Unique keys map to their id."""
+    vocab = {"a": (5,), " b": (7,), " ": (9, 12), "c": (3,), "c ": (3,)}
+    ad = LlamaCppPythonAdapter(vocab_size=20, vocab_strings=vocab)
+    mapped, amb = ad._map_keys(_NoCalls(), "s", {"a": -0.1, " b": -2.0})
+    assert mapped == {5: -0.1, 7: -2.0} and not amb
+    mapped, amb = ad._map_keys(_NoCalls(), "s", {"a": -0.1, " ": -2.0})  # " " is ids 9 and 12
+    assert mapped == {5: -0.1} and amb
+    mapped, amb = ad._map_keys(_NoCalls(), "s", {"a": -0.1, "zzz": -3.0})  # not any id's string
+    assert mapped == {5: -0.1} and amb
+    mapped, amb = ad._map_keys(_NoCalls(), "s", {"c": -0.5, "c ": -1.5})  # two keys, one id
+    assert mapped == {3: -0.5} and amb
+
+
+def test_vocab_strings_groups_ids_that_render_alike(tmp_path):
+    """The real SmolLM2 tokenizer: every id appears exactly once, and the special tokens (rendered empty
+    when skipped) share one key, so a server key "" can never be mistaken for one of them."""
+    from ds41gates.pipeline import vocab_strings
+    from engine.models import ensure_smollm2
+    from tokenizers import Tokenizer
+
+    model_dir = ensure_smollm2().hf_dir
+    table = vocab_strings(model_dir)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = sorted(i for group in table.values() for i in group)
+    assert ids == list(range(tok.get_vocab_size()))
+    special = tok.token_to_id("<|im_start|>")
+    assert special in table[""] and len(table[""]) > 1
+    assert table[tok.decode([tok.token_to_id("hello")])] == (tok.token_to_id("hello"),)
