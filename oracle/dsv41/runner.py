@@ -48,6 +48,7 @@ from ds41gates.records import Provenance, Record, SequenceScores
 from .attention import LayerCache, SharedRuntime
 from .checkpoint import Checkpoint
 from .engram import Engram, EngramLayout, NgramHasher, compressed_token_map, tiny_token_map
+from .formats import warm_up_decoders
 from .head import Embedding, Head
 from .hyper import hc_pre
 from .model import Block, Model, ModelState, StepContext
@@ -574,6 +575,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
     for p in work.glob("acts-*.bin"):  # files of stages the manifest does not name: uncommitted, recomputed
         if manifest is None or p.name != manifest["acts"]:
             p.unlink()
+    warm_up_decoders()  # JIT code is a per-process constant: loaded before the baseline
     malloc = _Malloc()
     malloc.trim()
     stats.baseline_rss_kib = _status_kib("VmRSS")
