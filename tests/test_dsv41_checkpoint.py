@@ -418,3 +418,48 @@ def test_provenance_hash(tiny, pack, tmp_path):
     d.load_layer(0)
     assert d.provenance()["inventory_sha256"] == b.provenance()["inventory_sha256"]
     assert d.provenance_hash() != b.provenance_hash()
+
+
+def test_output_buffers_never_hand_out_an_array_a_tensor_still_uses():
+    from oracle.dsv41.checkpoint import OutputBuffers
+
+    pool = OutputBuffers()
+    a = pool.take((4, 8))
+    addr = a.ctypes.data
+    t = torch.from_numpy(a)
+    del a
+    view = t[1:]
+    assert pool.in_use() == 1
+    assert pool.reclaim() == 0  # the tensor (and its view) still use it: forgotten, not reused
+    del t
+    assert pool.take((4, 8)).ctypes.data != addr  # the view still lives there: never handed out again
+    del view
+    pool.reclaim()
+
+    b = pool.take((4, 8))
+    addr = b.ctypes.data
+    del b
+    assert pool.in_use() == 0 and pool.reclaim() == 1
+    assert pool.take((4, 8)).ctypes.data == addr  # reused by the next stage
+    pool.reclaim()
+    pool.take((2, 2))
+    pool.reclaim()  # the free (4, 8) was not taken during that stage: dropped, memory bounded
+    assert all(shape != (4, 8) for shape in pool._free)
+
+
+def test_decoding_into_a_reused_buffer_gives_the_same_weights():
+    from oracle.dsv41 import formats as F
+
+    g = torch.Generator().manual_seed(0)
+    w8 = torch.randint(0, 256, (64, 96), dtype=torch.uint8, generator=g)
+    w8[w8 == 0x7F] = 0  # keep every e4m3 code finite
+    w8[w8 == 0xFF] = 0
+    s8 = torch.randint(120, 135, (1, 1), dtype=torch.uint8, generator=g)
+    w4 = torch.randint(0, 256, (64, 48), dtype=torch.uint8, generator=g)
+    s4 = torch.randint(120, 135, (64, 3), dtype=torch.uint8, generator=g)
+    dirty = np.full((64, 96), np.nan, dtype=np.float32)  # a stale layer's values must be overwritten
+    assert torch.equal(F.fp8_dequant(w8, s8, (128, 128), out=dirty), F.fp8_dequant(w8, s8, (128, 128)))
+    dirty[:] = np.nan
+    assert torch.equal(F.mxfp4_dequant(w4, s4, out=dirty), F.mxfp4_dequant(w4, s4))
+    with pytest.raises(F.FormatError, match=r"output buffer .* shape \[64, 96\]"):
+        F.mxfp4_dequant(w4, s4, out=np.empty((64, 95), dtype=np.float32))

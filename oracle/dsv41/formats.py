@@ -121,6 +121,16 @@ def fp8_block_size(shape, scale_shape, configured=None) -> BlockSize:
                       f"(configured {list(configured) if configured is not None else None})")
 
 
+def _out_buffer(out: np.ndarray | None, shape: tuple[int, int], who: str) -> np.ndarray:
+    """A caller's reusable fp32 output array (checked), or a new one."""
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if out.shape != tuple(shape) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise FormatError(f"{who}: output buffer {out.shape} {out.dtype} is not a writable C-contiguous float32 "
+                          f"array of shape {list(shape)}")
+    return out
+
+
 @numba.njit(parallel=True, cache=True)
 def _fp8_blocks_kernel(codes, scales, br, bc, lut, out):  # pragma: no cover - compiled
     rows, cols = codes.shape
@@ -132,12 +142,14 @@ def _fp8_blocks_kernel(codes, scales, br, bc, lut, out):  # pragma: no cover - c
                 out[r, c] = lut[codes[r, c]] * sv  # one fp32 multiply, as W = e4m3(w) * S
 
 
-def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block: BlockSize | tuple[int, int]) -> torch.Tensor:
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block: BlockSize | tuple[int, int],
+                out: np.ndarray | None = None) -> torch.Tensor:
     """``W[o, i] = e4m3(w[o, i]) * S[o // br, i // bc]`` (§4.2); E8M0 scale bytes or F32 scales.
 
     With E8M0 scales the product is exact in fp32; with F32 scales it is one RNE multiply. One fused
     pass (numba, rows in parallel; elementwise, so the result does not depend on the thread count):
-    a table lookup and a gather-then-multiply in torch cost ~5x more on release-size layers.
+    a table lookup and a gather-then-multiply in torch cost ~5x more on release-size layers. `out`: an
+    fp32 array to decode into (a runner reuses one layer's arrays for the next, sparing the page faults).
     """
     br, bc = (block.rows, block.cols) if isinstance(block, BlockSize) else block
     R, C = weight.shape
@@ -145,9 +157,9 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block: BlockSize | tu
         raise FormatError(f"FP8 scale shape {list(scale.shape)} does not match weight {[R, C]} with block "
                           f"{br}x{bc}")
     s = scale.float() if scale.dtype == torch.float32 else e8m0_to_f32(scale)
-    out = np.empty((R, C), dtype=np.float32)
-    _fp8_blocks_kernel(as_bytes(weight).contiguous().numpy(), s.contiguous().numpy(), br, bc, _E4M3_NP, out)
-    return torch.from_numpy(out)
+    dst = _out_buffer(out, (R, C), "FP8 decode")
+    _fp8_blocks_kernel(as_bytes(weight).contiguous().numpy(), s.contiguous().numpy(), br, bc, _E4M3_NP, dst)
+    return torch.from_numpy(dst)
 
 
 def engram_rows_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -181,16 +193,16 @@ def _mxfp4_kernel(packed, scale_codes, e2m1, e8m0, out):  # pragma: no cover - c
                 out[r, g * 32 + 2 * j + 1] = e2m1[b >> 4] * sv
 
 
-def mxfp4_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def mxfp4_dequant(weight: torch.Tensor, scale: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
     """DeepSeek MXFP4: I8 ``[out, in/2]`` + E8M0 ``[out, in/32]`` -> fp32 ``[out, in]`` (§5.3), exact.
 
     One fused pass (numba, rows in parallel): on a release-size expert the torch lookup + multiply was ~5x
-    slower and dominated the layer-streamed runner's weight time."""
-    out, half = weight.shape
-    if tuple(scale.shape) != (out, 2 * half // 32) or (2 * half) % 32:
-        raise FormatError(f"MXFP4 weight {list(weight.shape)} needs scale [{out}, {2 * half // 32}], "
+    slower and dominated the layer-streamed runner's weight time. `out`: as for `fp8_dequant`."""
+    rows, half = weight.shape
+    if tuple(scale.shape) != (rows, 2 * half // 32) or (2 * half) % 32:
+        raise FormatError(f"MXFP4 weight {list(weight.shape)} needs scale [{rows}, {2 * half // 32}], "
                           f"got {list(scale.shape)}")
-    dst = np.empty((out, 2 * half), dtype=np.float32)
+    dst = _out_buffer(out, (rows, 2 * half), "MXFP4 decode")
     _mxfp4_kernel(as_bytes(weight).contiguous().numpy(), as_bytes(scale).contiguous().numpy(), _E2M1_NP, _E8M0_NP, dst)
     return torch.from_numpy(dst)
 
@@ -532,12 +544,21 @@ def detect_linear_format(prefix: str, headers: dict[str, Header], configured_blo
     fail(f".weight dtype {w.dtype} is not a known linear format")
 
 
-def decode_linear(fmt: LinearFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Decode one linear from its tensors (role -> tensor, as read) into fp32 ``[out, in]``."""
+def decode_linear(fmt: LinearFormat, t: dict[str, torch.Tensor], out: np.ndarray | None = None) -> torch.Tensor:
+    """Decode one linear from its tensors (role -> tensor, as read) into fp32 ``[out, in]``; into the
+    caller's array `out` when given (FP8 and MXFP4 decode in place, the others are copied in)."""
     if fmt.kind == "fp8":
-        return fp8_dequant(t["weight"], t["scale"], fmt.block)
+        return fp8_dequant(t["weight"], t["scale"], fmt.block, out)
     if fmt.kind == "mxfp4":
-        return mxfp4_dequant(t["weight"], t["scale"])
+        return mxfp4_dequant(t["weight"], t["scale"], out)
+    w = _decode_other(fmt, t)
+    if out is None:
+        return w
+    dst = torch.from_numpy(_out_buffer(out, (fmt.out, fmt.in_), f"{fmt.kind} decode"))
+    return dst.copy_(w)
+
+
+def _decode_other(fmt: LinearFormat, t: dict[str, torch.Tensor]) -> torch.Tensor:
     if fmt.kind == "mxfp4_blocks":
         blocks, scales = t["blocks"], t["scales"]
         return mxfp4_blocks_dequant(blocks, scales).reshape(fmt.out, fmt.in_)

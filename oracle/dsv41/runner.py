@@ -46,7 +46,7 @@ import torch
 from ds41gates.records import Provenance, Record, SequenceScores
 
 from .attention import LayerCache, SharedRuntime
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, OutputBuffers
 from .engram import Engram, EngramLayout, NgramHasher, compressed_token_map, tiny_token_map
 from .formats import warm_up_decoders
 from .head import Embedding, Head
@@ -321,13 +321,19 @@ class _EngramRows:
         return self.ck.engram_rows(self.layer, rows.cpu()).to(self.device)
 
 
-def _load_layer(ck: Checkpoint, L: int, device: str) -> tuple[dict, int]:
-    """Full-name fp32 weights of layer L on `device`, and their byte count (the stage's working set)."""
+def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None) -> tuple[dict, int]:
+    """Full-name fp32 weights of layer L on `device`, and their byte count (the stage's working set).
+    On the CPU the routed experts (the bulk of a layer, kept fp32 for the whole stage) are decoded into
+    `buffers`, the previous layer's arrays; the rest mostly becomes float64 at once (_dot_only_weight)."""
     prefix = f"layers.{L}."
     table = f"layers.{L}.engram.embed"
     spec = ck.inventory.tables.get(table)
     whole = spec is None or spec.rows * spec.width * 4 <= WHOLE_TABLE_BYTES
-    w = {prefix + k: v.to(device) for k, v in ck.load_layer(L, tables=whole).items()}
+    w = {prefix + k: v.to(device) for k, v in ck.load_layer(L, tables=whole, experts=False).items()}
+    pool = buffers if device == "cpu" else None
+    for e in range(ck.model_config.moe_experts(L)[0]):
+        for k, v in ck.load_expert(L, e, pool).items():
+            w[f"{prefix}ffn.experts.{e}.{k}.weight"] = v.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in w.values())
     for name in [n for n in w if _dot_only_weight(n)]:
         w[name] = w[name].double()  # replaces the fp32 copy: see _dot_only_weight
@@ -577,6 +583,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
             p.unlink()
     warm_up_decoders()  # JIT code is a per-process constant: loaded before the baseline
     malloc = _Malloc()
+    buffers = OutputBuffers()
     malloc.trim()
     stats.baseline_rss_kib = _status_kib("VmRSS")
     _reset_peak_rss()
@@ -593,7 +600,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                     step = _embed_step(Embedding(cfg).load(w), cfg.hc_mult, opts)
                 else:
                     L = stage - 1
-                    w, nbytes = _load_layer(ck, L, opts.device)
+                    w, nbytes = _load_layer(ck, L, opts.device, buffers)
                     step = _layer_step(Block(cfg, L, opts.index_k).load(w),
                                        Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None, hasher, opts)
                 _release_file_handles(ck)  # the shards' mapped pages are not needed once decoded
@@ -637,8 +644,9 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                 del writer
                 stats.io_s += time.perf_counter() - t
                 _release_file_handles(ck)
-                if nbytes > 1 << 28:  # big stages only: a full collection costs ~0.4 s with torch loaded
-                    gc.collect()
+                if buffers.in_use():  # a reference cycle still holds this stage's weights: collect it
+                    gc.collect()  # (a full collection costs 0.1-0.4 s with torch loaded, so only then)
+                buffers.reclaim()  # the stage's arrays nothing references any more serve the next stage
                 malloc.trim()
             record = _head_stage(ck, panel, reader, opts, stats, bar, loaded)
     finally:
