@@ -11,6 +11,7 @@ names them as the architecture document does (QDQ8, QDQ4p, QDQ4e).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,37 @@ def topk_lowest_index(scores: torch.Tensor, k: int, stats: TieStats | None = Non
 # ----------------------------------------------------------------------------------------------
 
 
+class _F64Scratch(threading.local):
+    """Reusable float64 copies of fp32 weights, one per shape (at most `limit` bytes in all, oldest out).
+
+    A fresh float64 tensor per call means fresh pages: measured on a 1024 x 2048 expert with 12 rows,
+    6.4 ms per product with `w.double()` against 1.1 ms copying into a reused buffer. Only the weight goes
+    through here, and the copy is consumed by the product before the next call reuses the buffer."""
+
+    limit = 1 << 29
+
+    def __init__(self):
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def f64(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == torch.float64:
+            return w
+        need = w.numel() * 8
+        if need > self.limit // 2:
+            return w.double()
+        key = (tuple(w.shape), w.device)
+        buf = self.bufs.pop(key, None)
+        if buf is None:
+            while self.bufs and sum(b.numel() * 8 for b in self.bufs.values()) + need > self.limit:
+                self.bufs.pop(next(iter(self.bufs)))
+            buf = torch.empty(w.shape, dtype=torch.float64, device=w.device)
+        self.bufs[key] = buf  # most recently used last
+        return buf.copy_(w)
+
+
+_SCRATCH = _F64Scratch()
+
+
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for fp32 operands, accumulated in float64 and rounded once to fp32.
 
@@ -86,7 +118,7 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     the BLAS blocking, i.e. of how many rows (tokens, sequences) share the call: without it, fp32 noise of
     a few ulp between a prefill GEMM and a decode GEMM is amplified by the QDQ roundings, top-k and
     routing into visible logit differences (measured: 6e-2 relative on the tiny model)."""
-    return (x.double() @ w.double().T).float()
+    return (x.double() @ _SCRATCH.f64(w).T).float()
 
 
 def einsum(eq: str, *ops: torch.Tensor) -> torch.Tensor:
