@@ -463,3 +463,24 @@ def test_decoding_into_a_reused_buffer_gives_the_same_weights():
     assert torch.equal(F.mxfp4_dequant(w4, s4, out=dirty), F.mxfp4_dequant(w4, s4))
     with pytest.raises(F.FormatError, match=r"output buffer .* shape \[64, 96\]"):
         F.mxfp4_dequant(w4, s4, out=np.empty((64, 95), dtype=np.float32))
+
+
+def test_loaded_digests_and_byte_ranges_name_exactly_what_a_layer_load_reads(tiny):
+    """loaded_digests() is provenance()["loaded"]; each digest is the SHA-256 of the tensor's stored bytes,
+    recomputed here from the file at the byte range byte_ranges() gives."""
+    import hashlib
+
+    ck = Checkpoint(tiny)
+    ranges = ck.byte_ranges("layers.0")
+    ck.load_layer(0)
+    digests = ck.loaded_digests()
+    assert digests == ck.provenance()["loaded"] and digests
+    assert all(n.startswith("layers.0.") for n in digests)
+    by_range = set()
+    for path, begin, end in ranges:
+        with open(path, "rb") as f:
+            f.seek(begin)
+            by_range.add(hashlib.sha256(f.read(end - begin)).hexdigest())
+    assert set(digests.values()) <= by_range  # every tensor read lies in a readahead range
+    assert len(ranges) == len(digests)  # and nothing else does (no Engram table on layer 0)
+    assert not set(ck.byte_ranges("layers.1")) & set(ranges)  # "layers.1" is not a prefix of "layers.10"

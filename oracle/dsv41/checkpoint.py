@@ -629,6 +629,20 @@ class Checkpoint:
 
     # ---- reading ----------------------------------------------------------------------------------------
 
+    def byte_ranges(self, prefix: str) -> list[tuple[Path, int, int]]:
+        """(file, begin, end) of the stored bytes a load of ``prefix`` reads (a layer ``"layers.3"``, or one
+        exact tensor name), in file order: for readahead. Engram tables are left out (read by rows)."""
+        pre = prefix + "."
+        ranges = []
+        for p, (src, fmt) in self._linears.items():
+            if p == prefix or p.startswith(pre):
+                ranges += [(i.file, i.begin, i.end) for i in (src.infos[n] for n in fmt.tensors.values())]
+        for n, src in self._tensors.items():
+            if (n == prefix or n.startswith(pre)) and n.rsplit(".", 1)[0] not in self.inventory.tables:
+                i = src.infos[n]
+                ranges.append((i.file, i.begin, i.end))
+        return sorted(ranges)
+
     def _read(self, src: _Folder, name: str) -> torch.Tensor:
         t = src.read(src.infos[name])
         self._loaded[name] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
@@ -796,6 +810,11 @@ class Checkpoint:
             return self._tensors[name]
         p = name[:-len("_blocks")] if name.endswith(F.BLOCK_SUFFIXES) else name.rpartition(".")[0]
         return self._linears[p][0]
+
+    def loaded_digests(self) -> dict[str, str]:
+        """``provenance()["loaded"]`` alone (tensor name -> SHA-256 of its stored bytes, for every tensor read
+        so far), without rebuilding the inventory and manifest digests (a runner asks after every stage)."""
+        return dict(sorted(self._loaded.items()))
 
     def provenance_hash(self) -> str:
         """SHA-256 of ``provenance()`` without folder paths: the build's identity (config, index, plan, every
