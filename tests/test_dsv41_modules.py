@@ -409,3 +409,19 @@ def test_candidate_blocks_hand_example():
     # blocks of 2: maxima [5, 1, 2, 9, -inf]; compress_lens 7 -> newest block 3 forced; keep top 2 = {3, 0}
     keep = select_candidate_blocks(s, torch.tensor(7), 2, 2, num)
     assert keep.tolist() == [[True, True, False, False, False, False, True, True, False]]
+
+
+def test_mm_reuses_its_float64_buffer_across_inference_mode_and_stays_exact():
+    """numerics.mm copies the weight into a reused float64 buffer per shape; the buffer must work whether the
+    first call came from inside torch.inference_mode (Model.forward) or not, and give the float64 product."""
+    from oracle.dsv41.numerics import mm
+
+    g = torch.Generator().manual_seed(7)
+    x, w1, w2 = (torch.randn(s, generator=g) for s in ((3, 40), (24, 40), (24, 40)))
+    with torch.inference_mode():
+        a = mm(x, w1)
+    b = mm(x, w2)  # same shape, outside inference mode: the buffer is refilled, not refused
+    with torch.inference_mode():
+        c = mm(x, w1)
+    want = lambda w: torch.from_numpy((x.numpy().astype("float64") @ w.numpy().astype("float64").T).astype("float32"))  # noqa: E731
+    assert torch.equal(a, want(w1)) and torch.equal(b, want(w2)) and torch.equal(c, a)

@@ -102,7 +102,8 @@ class _F64Scratch(threading.local):
         if buf is None:
             while self.bufs and sum(b.numel() * 8 for b in self.bufs.values()) + need > self.limit:
                 self.bufs.pop(next(iter(self.bufs)))
-            buf = torch.empty(w.shape, dtype=torch.float64, device=w.device)
+            with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+                buf = torch.empty(w.shape, dtype=torch.float64, device=w.device)
         self.bufs[key] = buf  # most recently used last
         return buf.copy_(w)
 
