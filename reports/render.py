@@ -203,9 +203,17 @@ def normalise_extra(extra: Mapping[str, Any] | None) -> dict[str, dict]:
     return out
 
 
+def _topk_ties(rec: Record) -> int | None:
+    """The DeepSeek-V4.1 oracle's count of top-k selections its tie rule decided (architecture §18.3); None
+    for records that do not carry one."""
+    ties = (rec.provenance.extra or {}).get("ties")
+    return int(ties["total"]) if isinstance(ties, Mapping) and "total" in ties else None
+
+
 def _record_info(label: str, rec: Record) -> dict:
     return {
         "label": label,
+        "topk_ties": _topk_ties(rec),
         "provenance": dataclasses.asdict(rec.provenance),
         "k": rec.k,
         "n_sequences": rec.n_sequences,

@@ -337,6 +337,11 @@ def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_jso
         assert data["noise_floor"]["engine_ratio"]["engine-like"]["domains"][d] == pytest.approx(1.0)
     md = paths.markdown.read_text()
     assert "## KL_part beside the oracle noise floor" in md
+    # §18.3: the tie rule's decisions are counted per run and shown beside the results
+    assert data["reference"]["topk_ties"] == fp32.provenance.extra["ties"]["total"]
+    assert data["engines"][0]["topk_ties"] == bf16.provenance.extra["ties"]["total"]
+    assert bf16.provenance.extra["ties"]["total"] > 0  # bf16 index scores tie (this test panel: checked)
+    assert "| top-k ties |" in md
     assert "noise floor (oracle reference-bf16)" in md and 'id="noise-floor"' in paths.html.read_text()
 
     with pytest.raises(ReportError, match="own precision 'fp32'"):
