@@ -8,7 +8,7 @@ import torch
 
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .numerics import Numerics, einsum, in_f64, qdq4e, qdq8
+from .numerics import Numerics, einsum, in_f64, qdq4e, qdq8, sum_f64
 from .rope import apply_rope, layer_frequencies, rope_cis
 
 
@@ -86,7 +86,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         new = torch.maximum(run, zb.amax(-1))
         alpha = in_f64(torch.exp, run - new)  # fp32 exp, correctly rounded on every device
         p = in_f64(torch.exp, zb - new.unsqueeze(-1))
-        den = den * alpha + in_f64(lambda t: t.sum(-1), p)
+        den = den * alpha + sum_f64(p, -1)
         acc = acc * alpha.unsqueeze(-1) + einsum("bmhk,bmkd->bmhd", num.r(p), gb)
         run = new
     den = den + in_f64(torch.exp, sink - run)

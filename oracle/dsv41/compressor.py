@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, einsum, in_f64, mm, qdq4p, topk_lowest_index
+from .numerics import Numerics, einsum, in_f64, mm, qdq4p, sum_f64, topk_lowest_index
 from .rope import apply_rope
 
 
@@ -104,7 +104,7 @@ class Indexer:
         K = index_k[:, :G]
         w = num.r(num.linear(x, self.weights_proj) * (D**-0.5 * H**-0.5))
         score = num.r(einsum("bshd,btd->bsht", q, K))
-        score = in_f64(lambda t: t.sum(dim=2), num.r(score.relu() * w.unsqueeze(-1)))
+        score = sum_f64(num.r(score.relu() * w.unsqueeze(-1)), 2)
         score = num.r(score)  # the reference's top-k runs on bf16 scores (§5.3)
         if start_pos == 0:
             compress_lens = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]

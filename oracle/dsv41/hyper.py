@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import Numerics, in_f64, mm
+from .numerics import Numerics, in_f64, mm, rstd_f64, sum_f64
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
@@ -16,10 +16,10 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     post = 2 * in_f64(torch.sigmoid, mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     c = in_f64(lambda t: torch.softmax(t, dim=-1), c) + eps  # softmax over k (the output copy)
-    c = c / (in_f64(lambda t: t.sum(-2, keepdim=True), c) + eps)  # column normalisation
+    c = c / (sum_f64(c, -2, keepdim=True) + eps)  # column normalisation
     for _ in range(iters - 1):
-        c = c / (in_f64(lambda t: t.sum(-1, keepdim=True), c) + eps)
-        c = c / (in_f64(lambda t: t.sum(-2, keepdim=True), c) + eps)  # the last step is a column normalisation
+        c = c / (sum_f64(c, -1, keepdim=True) + eps)
+        c = c / (sum_f64(c, -2, keepdim=True) + eps)  # the last step is a column normalisation
     return pre, post, c
 
 
@@ -27,7 +27,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
              hc_eps: float, norm_eps: float):
     """One RMS statistic per token over all copies, no weight; product first, then scaled (§9)."""
     xf = x.flatten(-2)
-    rstd = torch.rsqrt(xf.double().square().mean(-1, keepdim=True) + norm_eps).float()
+    rstd = rstd_f64(xf, norm_eps, keepdim=True)
     mixes = mm(xf, fn) * rstd
     return hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .numerics import Numerics, in_f64, mm, topk_lowest_index
+from .numerics import Numerics, in_f64, mm, sum_f64, topk_lowest_index
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -32,7 +32,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg
     _, idx = topk_lowest_index(s + bias, k, num.ties, site)
     wts = s.gather(1, idx)
     if cfg.norm_topk_prob and k > 1:
-        wts = wts / (in_f64(lambda t: t.sum(-1, keepdim=True), wts) + 1e-20)  # literally 1e-20, not norm_eps
+        wts = wts / (sum_f64(wts, -1, keepdim=True) + 1e-20)  # literally 1e-20, not norm_eps
     return wts * cfg.route_scale, idx
 
 

@@ -139,6 +139,16 @@ def in_f64(fn, *xs: torch.Tensor) -> torch.Tensor:
     return fn(*(x.double() for x in xs)).float()
 
 
+def sum_f64(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """x.sum(dim) in float64, rounded once to fp32 (reduction order follows shape, see `in_f64`)."""
+    return x.double().sum(dim, keepdim=keepdim).float()
+
+
+def rstd_f64(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
+    """1 / sqrt(mean(x^2, last dim) + eps) in float64, rounded once to fp32: every RMS statistic."""
+    return torch.rsqrt(x.double().square().mean(-1, keepdim=keepdim) + eps).float()
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
@@ -175,5 +185,5 @@ class Numerics:
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """§5.1 RMSNorm; eps = 1e-20 in the LLM."""
         # the statistic in float64 (rounded once), independent of the row count (see `mm`)
-        y = x * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + eps).float()
+        y = x * rstd_f64(x, eps, keepdim=True)
         return self.r(weight * y)
