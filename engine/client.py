@@ -34,7 +34,7 @@ import openai
 from ds41gates.records import Provenance, Record, SequenceScores
 from engine.adapters.base import (
     Adapter, Generation, HttpTiming, JsonReply, PositionLogprobs, SequenceLogprobs, StreamedGeneration,
-    check_id_range, need, strict_json,
+    check_id_range, need, strict_json, usage_cached_tokens,
 )
 from engine.errors import (
     EngineRequestRejected, EngineResponseError, EngineTransportError, Malformed, UnsupportedSurface,
@@ -274,7 +274,6 @@ class EngineClient:
         mid-decode). usage.prompt_tokens and usage.completion_tokens, when sent, must match what was sent
         and what streamed."""
         from engine.adapters import vllm as v
-        from engine.adapters.base import usage_cached_tokens
 
         if getattr(self.adapter, "name", None) != "vllm":
             raise UnsupportedSurface(f"streaming is implemented for the vLLM adapter, not {self.adapter.name!r}")

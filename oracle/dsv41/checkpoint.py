@@ -395,23 +395,24 @@ class OutputBuffers:
         self._lent.append(arr)
         return arr
 
+    def _idle(self) -> list[np.ndarray]:
+        # references: self._lent's slot, the comprehension variable and getrefcount's argument; any more
+        # is a live user (a tensor, a view, a cycle)
+        return [arr for arr in self._lent if sys.getrefcount(arr) <= 3]
+
     def in_use(self) -> int:
         """Lent arrays that something besides this pool still references (a live tensor, a view, a cycle)."""
-        # references: self._lent's slot, the loop variable and getrefcount's argument; more is a live user
-        return sum(1 for arr in self._lent if sys.getrefcount(arr) > 3)
+        return len(self._lent) - len(self._idle())
 
     def reclaim(self) -> int:
         """-> the number of arrays made free again. An array something else still references is forgotten,
         not kept: it is freed whenever its last user lets go, exactly as without the pool."""
         self._free = {}
-        freed = 0
-        for arr in self._lent:
-            # references: self._lent's slot, the loop variable and getrefcount's argument; more is a live user
-            if sys.getrefcount(arr) <= 3:
-                self._free.setdefault(arr.shape, []).append(arr)
-                freed += 1
+        idle = self._idle()
+        for arr in idle:
+            self._free.setdefault(arr.shape, []).append(arr)
         self._lent = []
-        return freed
+        return len(idle)
 
 
 class Checkpoint:

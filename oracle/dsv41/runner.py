@@ -630,6 +630,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
     stats.baseline_rss_kib = _status_kib("VmRSS")
     _reset_peak_rss()
     bar = _Progress(opts.progress, n_stages + 1, len(seqs))
+    groups = moe_groups(seqs, cfg)
     try:
         with compute_context(opts.device, threads):
             for stage in range(start, n_stages):
@@ -650,7 +651,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                 readahead.start(ck, ["head", "norm.weight"] if stage + 1 == n_stages else [f"layers.{stage}"])
                 if nbytes > stats.largest_stage_weight_bytes:
                     stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
-                for group in moe_groups(seqs, cfg):
+                for group in groups:
                     t = time.perf_counter()
                     states = [reader.get(i) if reader is not None else None for i in group]
                     t2 = time.perf_counter()
