@@ -250,13 +250,18 @@ class LlamaCppPythonAdapter:
             raise TokenRoundTripError(seq_id, first, ids, back)
         return text
 
+    def _ids_of_key(self, transport: Transport, seq_id: str, key: str) -> tuple[int, ...]:
+        """The ids a string key can stand for: from the vocabulary map when given, else the engine's tokenizer."""
+        if self.vocab_strings is not None:
+            return self.vocab_strings.get(key, ())
+        return self.tokenize(transport, key, seq_id)
+
     def _map_keys(self, transport: Transport, seq_id: str, keys: dict[str, float]) -> tuple[dict[int, float], bool]:
         """String keys → {id: logprob}; ambiguous when a key is not exactly one id or two keys share an id."""
         mapped: dict[int, float] = {}
         ambiguous = False
         for key, lp in keys.items():
-            tids = self.vocab_strings.get(key, ()) if self.vocab_strings is not None else \
-                self.tokenize(transport, key, seq_id)
+            tids = self._ids_of_key(transport, seq_id, key)
             if len(tids) != 1 or tids[0] in mapped:
                 ambiguous = True
                 continue
@@ -344,8 +349,7 @@ class LlamaCppPythonAdapter:
                 # never scored panel positions; the row says so (ambiguous, no values) rather than guess.
                 rows.append(PositionLogprobs(p, actual, float("-inf"), 0, (), (), True))
                 continue
-            ambiguous = (self.vocab_strings.get(actual_str, ()) if self.vocab_strings is not None
-                         else self.tokenize(transport, actual_str, seq_id)) != (actual,)
+            ambiguous = self._ids_of_key(transport, seq_id, actual_str) != (actual,)
             known_actual: float | None = None  # the actual's value when the aligned echo states it
             j = entry_of.get(p - 1)  # the entry carrying the distribution that predicts position p
             if j is None or j == 0:
