@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ds41gates import metrics  # noqa: E402
-from ds41gates.records import Provenance, Record  # noqa: E402
+from core import metrics  # noqa: E402
+from core.records import Provenance, Record  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "metrics.json"
 DOMAINS = ("code", "math", "agentic", "knowledge", "multilingual", "chat", "writing", "structured")

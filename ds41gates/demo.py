@@ -7,15 +7,17 @@ from typing import Optional
 
 import typer
 
+from core.verdicts import judge
 from ds41gates import pipeline
+from engine.endpoint import DEFAULT_ENGINE_K, DEFAULT_PROFILE, endpoint_for_server, score_engine
 
 
 def demo_app(
-    profile: list[str] = typer.Option([pipeline.DEFAULT_PROFILE], "--profile", "-p",
+    profile: list[str] = typer.Option([DEFAULT_PROFILE], "--profile", "-p",
                                       help="engine profile(s) to gate; repeat to compare several"),
     panel: str = typer.Option(pipeline.DEFAULT_PANEL, help="panel name[@version]"),
     out: Optional[Path] = typer.Option(None, help="results folder (default results/<timestamp>)"),
-    k: int = typer.Option(pipeline.DEFAULT_ENGINE_K, help="engine top-k per position"),
+    k: int = typer.Option(DEFAULT_ENGINE_K, help="engine top-k per position"),
 ) -> None:
     """Oracle reference, engine run, KL panel gate and report on the embedded default model."""
     from rich.console import Console
@@ -33,13 +35,9 @@ def demo_app(
     for name in profile:
         prof = load_profile(name)
         with EngineServer(prof) as server:
-            endpoint = pipeline.EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
-                                               precision=pipeline.precision_of(prof),
-                                               vocab_size=pipeline.default_vocab_size(model_dir),
-                                               tokenizer_dir=str(model_dir))
-            eng = pipeline.score_engine(endpoint, encoded, k)
+            eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
-        _, gate = pipeline.judge(ref, eng, prof.name, prof.name)
+        _, gate = judge(ref, eng, prof.name, prof.name)
         engines.append((prof.name, eng))
         gates.append(gate)
 

@@ -86,7 +86,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 # (SmolLM2 on the vllm-cpu-fp32 profile, reference built and cached) is launched here.
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +98,12 @@ class GateRun:
     results: dict[str, Any] = dataclasses.field(default_factory=dict)
     engines: list = dataclasses.field(default_factory=list)   # (label, Record)
     reference: Any = None
-    panel_gates: list = dataclasses.field(default_factory=list)  # pipeline.PanelGateResult
+    panel_gates: list = dataclasses.field(default_factory=list)  # core.verdicts.PanelGateResult
     report_sections: dict[str, dict] = dataclasses.field(default_factory=dict)
     outcomes: dict[str, dict] = dataclasses.field(default_factory=dict)   # nodeid -> outcome (see mark)
 
     def add(self, gate: str, data: dict) -> None:
-        from ds41gates.pipeline import write_json_atomic
+        from core.atomic import write_json_atomic
 
         self.results[gate] = data
         write_json_atomic(self.out_dir / "results.json", self.results)
@@ -114,7 +113,7 @@ class GateRun:
 
     def mark(self, nodeid: str, outcome: dict) -> None:
         """Record one gate's outcome (passed / failed / error / skipped) in results.json at once."""
-        from ds41gates.pipeline import write_json_atomic
+        from core.atomic import write_json_atomic
 
         self.outcomes[nodeid] = outcome
         self.results[OUTCOMES_KEY] = dict(self.outcomes)
@@ -148,7 +147,7 @@ def gate_results(gate_run: GateRun) -> GateRun:
 def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
     """The oracle reference record: --reference FILE, or the default panel on the default model."""
     from ds41gates import pipeline
-    from ds41gates.records import Record
+    from core.records import Record
 
     path = _opt(request.config, "--reference")
     if path:
@@ -169,23 +168,17 @@ def encoded_panel(panel_reference):
 
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
-    """Start a server from a profile; returns (server, endpoint). The caller stops the server."""
-    from ds41gates.pipeline import EngineEndpoint, default_model_dir, default_vocab_size, precision_of
-    from engine.launcher import EngineServer, load_profile
+    """Start a server from a shipped profile (they all serve the embedded default model)."""
+    from ds41gates.pipeline import default_model_dir
+    from engine import endpoint
 
-    prof = load_profile(profile_name)
-    server = EngineServer(prof, overrides=overrides, flags=flags).start()
-    # shipped profiles all serve the embedded default model
-    endpoint = EngineEndpoint(server.base_url, server.served_model, prof.name, engine=prof.engine,
-                              flags=tuple(flags), precision=precision_of(prof), vocab_size=default_vocab_size(),
-                              tokenizer_dir=str(default_model_dir()))
-    return server, endpoint
+    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides)
 
 
 @pytest.fixture(scope="session")
 def engine_endpoint(request: pytest.FixtureRequest):
     """The engine under test: --engine-url (already running), else the --engine-profile launched here."""
-    from ds41gates.pipeline import DEFAULT_PROFILE, EngineEndpoint
+    from engine.endpoint import DEFAULT_PROFILE, EngineEndpoint
 
     url = _opt(request.config, "--engine-url")
     profile = _opt(request.config, "--engine-profile")
@@ -217,7 +210,7 @@ def engine_endpoint(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def engine_client(engine_endpoint):
-    from ds41gates.pipeline import client_for
+    from engine.endpoint import client_for
 
     client = client_for(engine_endpoint, max_concurrency=4)
     yield client
@@ -227,7 +220,7 @@ def engine_client(engine_endpoint):
 @pytest.fixture(scope="session")
 def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
     """The engine's record of the panel positions, saved beside the results."""
-    from ds41gates.pipeline import DEFAULT_ENGINE_K, score_engine
+    from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
     rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
     rec.save(gate_run.out_dir / f"engine-{engine_endpoint.profile}.safetensors")
@@ -345,8 +338,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     import numpy as np
 
-    from ds41gates import metrics
-    from ds41gates.pipeline import write_json_atomic
+    from core import metrics
+    from core.atomic import write_json_atomic
 
     ref = run.reference
     out = {"format": "ds41-per-prompt/1", "seq_ids": list(ref.seq_ids), "domains": list(ref.domains), "engines": {}}

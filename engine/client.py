@@ -17,21 +17,18 @@ Layers:
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.metadata
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
 import numpy as np
 import openai
 
-from ds41gates.records import Provenance, Record, SequenceScores
+from core.records import Provenance, Record, SequenceScores
+from core.version import code_version
 from engine.adapters.base import (
     Adapter, Generation, HttpTiming, JsonReply, PositionLogprobs, SequenceLogprobs, StreamedGeneration,
     check_id_range, need, strict_json, usage_cached_tokens,
@@ -545,26 +542,3 @@ class _progress:
     def __exit__(self, *exc) -> None:
         if self._p is not None:
             self._p.__exit__(*exc)
-
-
-_CODE_VERSION: str | None = None
-
-
-def code_version() -> str:
-    """``ds41-gates <version>`` plus the git commit of the checkout when there is one."""
-    global _CODE_VERSION
-    if _CODE_VERSION is None:
-        try:
-            ver = importlib.metadata.version("ds41-gates")
-        except importlib.metadata.PackageNotFoundError:
-            ver = "unknown"
-        commit = ""
-        try:
-            out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                 capture_output=True, text=True, timeout=5)
-            if out.returncode == 0:
-                commit = "+g" + out.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-        _CODE_VERSION = f"ds41-gates {ver}{commit}"
-    return _CODE_VERSION

@@ -2,7 +2,7 @@
 
 * exact / perf: **bitwise** — panel prompt logprobs (ids and parsed float values) and greedy generations
   (ids and per-step top-k logprobs) of flag on must equal flag off, bit for bit.
-* numerics: the on-run's KL panel within its band (ds41gates.bands), and **paired not-worse** against
+* numerics: the on-run's KL panel within its band (core.bands), and **paired not-worse** against
   the off-run (gates.md §2.7 regression rule on per-prompt paired differences of KL_part, counted as a
   regression only when the Wilcoxon signed-rank test also calls on worse than off at level alpha).
 * perf: the speed compare (median tokens/s, on vs off) with numerics unchanged (bitwise).

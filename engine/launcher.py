@@ -222,7 +222,7 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
 
 
 def _cache() -> Path:
-    from ds41gates.paths import cache_dir
+    from core.paths import cache_dir
 
     return cache_dir()
 

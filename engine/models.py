@@ -81,7 +81,7 @@ def _stderr_reporter(msg: str) -> None:
 
 def cache_root() -> Path:
     """``$DS41_CACHE`` or ``~/.cache/ds41-gates`` (docs/DESIGN.md, "Cache")."""
-    from ds41gates.paths import cache_dir
+    from core.paths import cache_dir
 
     return cache_dir()
 
@@ -341,6 +341,11 @@ def ensure_smollm2(cache: Path | None = None, report: Reporter | None = None) ->
         _write_manifest(paths)
     report(f"SmolLM2 forms ready under {root} ({time.monotonic() - t0:.1f} s)")
     return paths
+
+
+def default_model_dir() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct as an HF fp32 folder), built offline if needed."""
+    return Path(ensure_smollm2().hf_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

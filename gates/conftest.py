@@ -40,7 +40,7 @@ def gate_config() -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def gate_tokenizer():
     """The served model's tokenizer and chat format (SmolLM2's by default: the ids the gates send)."""
-    from ds41gates.pipeline import default_model_dir
+    from engine.models import default_model_dir
     from panels import load_tokenizer
 
     return load_tokenizer(default_model_dir())

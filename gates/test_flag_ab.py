@@ -45,7 +45,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _profile_arg(config: pytest.Config) -> str:
-    from ds41gates.pipeline import DEFAULT_PROFILE
+    from engine.endpoint import DEFAULT_PROFILE
 
     return config.getoption("--engine-profile") or DEFAULT_PROFILE
 
@@ -95,7 +95,7 @@ class FlagAB:
             server.stop()
 
     def on_record(self, flag: str):
-        from ds41gates.pipeline import DEFAULT_ENGINE_K, score_engine
+        from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
         if flag not in self._records:
             ep = self.on_endpoint(flag)
@@ -119,7 +119,7 @@ class FlagAB:
         return out
 
     def _generate(self, endpoint) -> tuple[list, float, int]:
-        from ds41gates.pipeline import client_for
+        from engine.endpoint import client_for
 
         n_tokens = self.config.getoption("--ab-greedy-tokens")
         client = client_for(endpoint, max_concurrency=1)
@@ -156,7 +156,7 @@ class FlagAB:
                                why=f"baseline not deterministic (off vs off max |Δ| {det.max_abs_diff:.3g}); "
                                    f"provisional tolerance verdict: {_bitwise_why(res)}")
         elif gate == "kl_band":
-            from ds41gates.pipeline import judge
+            from core.verdicts import judge
 
             band = th.band_profile or self.off.profile
             result, pg = judge(self.reference, self.on_record(flag), band, label=f"{self.off.profile}+{flag}")
@@ -164,7 +164,7 @@ class FlagAB:
             verdict = {"passed": pg.passed, "why": "; ".join(pg.failures) or f"within the {band} bands",
                        "band_profile": band, "summary": pg.summary}
         elif gate == "paired_not_worse":
-            from ds41gates import metrics
+            from core import metrics
 
             on = self.on_record(flag)
             paired = metrics.paired_comparison(metrics.position_metrics(self.reference, self.off_record),

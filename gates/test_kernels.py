@@ -10,11 +10,10 @@ Results (max abs / rel error, ULP statistics, wall times) go to kernels.json in 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from ds41gates.paths import cache_dir
+from core.paths import cache_dir
 from engine.kernels.cases import PRIMITIVES
 from engine.kernels.gate import KernelGateError, run_kernel_gate, write_results
 from engine.kernels.registry import load_registry

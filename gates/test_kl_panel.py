@@ -6,14 +6,14 @@ profile's bands (gates/bands.toml), and no infinite position. Guards every `nume
 
 import pytest
 
-from ds41gates import pipeline
+from core.verdicts import judge
 
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
 def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results):
-    result, gate = pipeline.judge(panel_reference, panel_engine_record, engine_endpoint.profile,
-                                  label=engine_endpoint.profile)
+    result, gate = judge(panel_reference, panel_engine_record, engine_endpoint.profile,
+                         label=engine_endpoint.profile)
     gate_results.panel_gates.append(gate)
     gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
                                   "summary": gate.summary, "metrics": result.as_dict()})

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 @pytest.fixture(scope="module")
 def spec_client(request, engine_endpoint, gate_config):
-    from ds41gates.pipeline import EngineEndpoint, client_for
+    from engine.endpoint import EngineEndpoint, client_for
     from ds41gates.pytest_plugin import launch_endpoint
 
     cfg = gate_config["specdec"]

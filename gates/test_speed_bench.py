@@ -120,7 +120,7 @@ def _medians(r: dict) -> dict[str, float]:
 
 
 def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
-    from ds41gates.pipeline import write_json_atomic
+    from core.atomic import write_json_atomic
 
     r = bench_result
     best = {}

@@ -55,7 +55,7 @@ def run_cmd(
     """Score a panel layer by layer: every sequence through layer L, then L is freed and L+1 loaded."""
     if device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before anything initialises cuBLAS
-    from ds41gates.records import RecordError
+    from core.records import RecordError
     from oracle.dsv41.checkpoint import Checkpoint, CheckpointError
     from oracle.dsv41.runner import RunnerError, RunOptions, load_panel_input, run_to_file
 
@@ -98,7 +98,7 @@ def merge_cmd(
     out: Path = typer.Option(..., "--out", help="merged reference record"),
 ) -> None:
     """Join shard records into the record an unsharded run writes."""
-    from ds41gates.records import RecordError
+    from core.records import RecordError
     from oracle.dsv41.runner import RunnerError, merge_records
 
     try:

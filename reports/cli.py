@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ds41gates.records import Record, RecordError
+from core.records import Record, RecordError
 from reports.render import ReportError, build_report, fmt, fmt_ci, fmt_p, fmt_pct
 
 

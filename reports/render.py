@@ -1,7 +1,7 @@
 """The panel report: report.json, report.md and a self-contained report.html (gates.md §3).
 
 `build_report(reference, [(label, engine_record), ...], out_dir, extra)` computes every metric with
-`ds41gates.metrics`, turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
+`core.metrics`, turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
 from that dict with jinja2 templates, and writes the three files atomically.
 
 Text taken from records, panels or `extra` is never trusted: the HTML environment autoescapes, and the
@@ -44,8 +44,8 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import numpy as np
 
-from ds41gates import metrics
-from ds41gates.records import Record
+from core import metrics
+from core.records import Record
 
 REPORT_FORMAT = "ds41-report/1"
 TEMPLATES = Path(__file__).resolve().parent / "templates"

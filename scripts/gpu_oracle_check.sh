@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 from bench_dsv41_runner import TINY_LARGE  # noqa: E402
-from ds41gates.records import Record  # noqa: E402
+from core.records import Record  # noqa: E402
 from oracle.dsv41.checkpoint import Checkpoint  # noqa: E402
 from oracle.dsv41.tiny import write_tiny_checkpoint  # noqa: E402
 

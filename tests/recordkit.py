@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds41gates.records import Provenance, Record, SequenceScores
+from core.records import Provenance, Record, SequenceScores
 
 
 def provenance(side: str = "oracle", panel_hash: str = "p" * 64, tokenizer_hash: str = "t" * 64) -> Provenance:

@@ -180,7 +180,7 @@ def test_string_keys_shared_by_several_ids_are_collisions_not_the_retokenized_id
 def test_vocab_strings_groups_ids_that_render_alike(tmp_path):
     """The real SmolLM2 tokenizer: every id appears exactly once, and the special tokens (rendered empty
     when skipped) share one key, so a server key "" can never be mistaken for one of them."""
-    from ds41gates.pipeline import vocab_strings
+    from engine.endpoint import vocab_strings
     from engine.models import ensure_smollm2
     from tokenizers import Tokenizer
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from ds41gates import metrics
-from ds41gates.bands import Band, BandsError, judge_panel, load_bands
+from core import metrics
+from core.bands import Band, BandsError, judge_panel, load_bands
 from tests.recordkit import pair_of_records
 
 

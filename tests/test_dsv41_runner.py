@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds41gates.records import Record
+from core.records import Record
 from oracle.dsv41.checkpoint import Checkpoint
 from oracle.dsv41.runner import (KILL_ENV, MANIFEST, MergeError, RunnerError, RunOptions, forward_in_memory,
                                  merge_records, panel_from_json, run_panel, run_to_file)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ds41gates import metrics
-from ds41gates.records import Record
+from core import metrics
+from core.records import Record
 from engine import flag_ab as ab
 from engine.adapters.base import Generation, PositionLogprobs
 from engine.flags import (CLASS_GATES, DEFAULT_REGISTRY, FlagRegistryError, Thresholds, ValueSpec, check_profile,

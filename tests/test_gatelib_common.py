@@ -1,4 +1,4 @@
-"""gates.lib.common: first divergence, margins, step-wise KL_part through ds41gates.metrics."""
+"""gates.lib.common: first divergence, margins, step-wise KL_part through core.metrics."""
 
 import math
 

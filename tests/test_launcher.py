@@ -436,7 +436,7 @@ CANARY_IDS = [504, 3575, 282, 4649, 314]
 
 
 def _require_venv(name: str, script: str) -> None:
-    from ds41gates.paths import cache_dir
+    from core.paths import cache_dir
 
     if not (cache_dir() / "venvs" / name / ".ds41-ready").exists():
         pytest.skip(f"{name} not set up under the cache; run scripts/{script}")

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats
 from scipy.special import rel_entr
 
-from ds41gates import metrics
-from ds41gates.records import Record, RecordError, RecordMismatch, SequenceScores
+from core import metrics
+from core.records import Record, RecordError, RecordMismatch, SequenceScores
 from tests.recordkit import pair_of_records, provenance, random_logprobs, sequence_from_full
 
 

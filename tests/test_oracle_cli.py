@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from ds41gates.cli import app
-from ds41gates.records import Record
+from core.records import Record
 from oracle.dsv41.checkpoint import Checkpoint
 from oracle.dsv41.runner import forward_in_memory, panel_from_json
 from oracle.dsv41.tiny import write_tiny_checkpoint

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from ds41gates.records import Record
+from core.records import Record
 from engine.models import ensure_smollm2
 from oracle.hf import HFOracle, OracleError, model_hash, score_panel_hf
 from panels import EncodedPanel, EncodedSequence

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from ds41gates.paths import cache_dir
+from core.paths import cache_dir
 from panels.chat import DeepSeekV41Format, HFJinjaFormat
 from panels.tokenizers import (
     TokenizerError,

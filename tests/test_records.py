@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from ds41gates.records import FORMAT_VERSION, Record, RecordError, RecordMismatch
+from core.records import FORMAT_VERSION, Record, RecordError, RecordMismatch
 from tests.recordkit import pair_of_records, provenance
 
 
@@ -77,7 +77,7 @@ def test_records_of_another_panel_or_tokenizer_are_refused(field, value, match):
 
 
 def test_position_zero_cannot_be_scored():
-    from ds41gates.records import SequenceScores
+    from core.records import SequenceScores
 
     with pytest.raises(RecordError, match="position 0"):
         Record.from_sequences(provenance(), [SequenceScores(
@@ -86,7 +86,7 @@ def test_position_zero_cannot_be_scored():
 
 
 def test_clamped_engine_values_are_stored_as_minus_infinity():
-    from ds41gates.records import SequenceScores
+    from core.records import SequenceScores
 
     rec = Record.from_sequences(provenance("engine"), [SequenceScores(
         "c", "d", np.array([1, 2]), np.array([False, True]), np.array([[2, 3]]), np.array([[-0.01, -9999.0]]),

@@ -6,7 +6,7 @@
   NaN weights, truncated safetensors, no / unreadable config, config disagreeing with the weights;
 * panels (panels/store.py): a line that is not JSON, a duplicate id, an unknown domain, an item of the wrong
   shape, a published panel edited in place;
-* references (ds41gates/records.py, ds41gates/pipeline.py): built from another panel, tokenizer, token ids or
+* references (core/records.py, ds41gates/pipeline.py): built from another panel, tokenizer, token ids or
   format version; a truncated record file; a cached reference that belongs to another panel.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ds41gates.records import Record, RecordError, RecordMismatch
+from core.records import Record, RecordError, RecordMismatch
 from oracle.dsv41.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from oracle.dsv41.tiny import write_tiny_checkpoint
 from oracle.hf import HFOracle, OracleError
@@ -229,7 +229,7 @@ def test_reference_of_another_panel_or_tokenizer_is_refused(records, change, mat
     ref, eng = records
     with pytest.raises(RecordMismatch, match=match):
         ref.check_compatible(_with(eng, **change))
-    from ds41gates import metrics
+    from core import metrics
     with pytest.raises(RecordMismatch):                    # the metrics refuse it too: no number comes out
         metrics.panel_metrics(ref, _with(eng, **change))
 

@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from ds41gates.records import Record
+from core.records import Record
 from tests.reliability.helpers import (
     REPO, RESUME_TOP_K, dsv41_options, dsv41_panel_json, gate_session_env, smol_oracle, smol_reference, smol_subset,
 )

@@ -25,7 +25,7 @@ import urllib.request
 
 import pytest
 
-from ds41gates.records import Record
+from core.records import Record
 from engine import launcher
 from engine.launcher import EngineServer, group_members
 from tests.reliability.helpers import (
@@ -44,7 +44,7 @@ def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
     import time
     from pathlib import Path
 
-    from ds41gates.pipeline import score_engine
+    from engine.endpoint import score_engine
 
     Path(os.environ["DS41_TEST_STARTED"]).write_text("started")
     deadline, rounds = time.monotonic() + 300, 0

@@ -16,8 +16,8 @@ import typer
 from scipy import stats
 from typer.testing import CliRunner
 
-from ds41gates import metrics
-from ds41gates.records import Provenance, Record, RecordMismatch
+from core import metrics
+from core.records import Provenance, Record, RecordMismatch
 from reports.cli import report_app
 from reports.render import ReportError, build_report, md_escape
 from tests.recordkit import pair_of_records

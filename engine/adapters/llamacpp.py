@@ -37,7 +37,6 @@ distribution are given only when that distribution had no key collision.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import Callable, Mapping, Any, Sequence
 
 from engine.adapters.base import (

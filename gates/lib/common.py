@@ -68,7 +68,7 @@ def non_finite(steps: Sequence[StepLike]) -> list[int]:
 
 
 def _scores(seq_id: str, steps: Sequence[StepLike], k: int):
-    from ds41gates.records import SequenceScores
+    from core.records import SequenceScores
 
     n = len(steps)
     ids = np.full((n, k), -1, dtype=np.int64)
@@ -99,12 +99,12 @@ class StepMetrics:
 
 
 def step_metrics(ref: Sequence[Sequence[StepLike]], test: Sequence[Sequence[StepLike]]) -> StepMetrics:
-    """KL_part and friends per step, through ``ds41gates.metrics.position_metrics`` (one sequence per run pair).
+    """KL_part and friends per step, through ``core.metrics.position_metrics`` (one sequence per run pair).
 
     ``ref[i]`` and ``test[i]`` must name the same actual ids step by step (compare up to a divergence first).
     """
-    from ds41gates import metrics
-    from ds41gates.records import Provenance, Record
+    from core import metrics
+    from core.records import Provenance, Record
 
     if len(ref) != len(test):
         raise ValueError(f"{len(ref)} reference sequences but {len(test)} test sequences")

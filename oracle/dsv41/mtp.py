@@ -11,7 +11,7 @@ from .attention import Attention, LayerCache, sparse_attn
 from .config import ModelConfig
 from .hyper import hc_pre
 from .numerics import mm
-from .rope import apply_rope, rope_cis
+from .rope import rope_cis
 
 
 def _need(w: dict, name: str) -> torch.Tensor:

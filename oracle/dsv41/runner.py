@@ -3,7 +3,7 @@ layer's weights at a time.
 
     ck = Checkpoint(ckpt_dir, pack_dir)
     panel = panel_from_json("ids.json")            # or encode_named_panel("default", tokenizer)
-    rec = run_panel(ck, panel, work_dir, RunOptions(precision="fp32"))   # -> ds41gates.records.Record
+    rec = run_panel(ck, panel, work_dir, RunOptions(precision="fp32"))   # -> core.records.Record
 
 Order of work (why: every weight is read once per panel, and memory is one layer + the activations):
 
@@ -44,7 +44,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ds41gates.records import Provenance, Record, SequenceScores
+from core.records import Provenance, Record, SequenceScores
+from core.version import code_version
 
 from .attention import LayerCache, SharedRuntime
 from .checkpoint import Checkpoint, OutputBuffers
@@ -813,32 +814,13 @@ def _provenance(ck: Checkpoint, panel: PanelInput, opts: RunOptions, loaded: dic
                 # across resumed and sharded runs
                 "checkpoint_hash": _identity_hash(ck),
                 "weights_read_sha256": weights_read_hash(loaded), "tensors_read": len(loaded)},
-        precision=opts.precision, code_version=_code_version(), created=Provenance.now(),
+        precision=opts.precision, code_version=code_version(), created=Provenance.now(),
         extra={"top_k": opts.top_k, "index_k": opts.index_k, "device": opts.device,
                "threads": opts.threads, "torch": torch.__version__,
                "log_softmax_dtype": "float64", "shard": list(opts.shard) if opts.shard else None,
                "panel_sequences": n,
                "seq_indices": list(opts.seq_indices) if opts.seq_indices is not None else list(range(n)),
                "ties": ties})
-
-
-def _code_version() -> str:
-    """``ds41-gates <version>+g<commit>`` like engine.client.code_version, without importing the engine
-    package (2 s of imports)."""
-    import importlib.metadata
-    import subprocess
-
-    try:
-        ver = importlib.metadata.version("ds41-gates")
-    except importlib.metadata.PackageNotFoundError:
-        ver = "unknown"
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
-        commit = "+g" + out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return f"ds41-gates {ver}{commit}"
 
 
 def _identity_hash(ck: Checkpoint) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ds41gates.records import Provenance, Record, SequenceScores
+from core.records import Provenance, Record, SequenceScores
 from tests.test_client_malformed import VOCAB, distribution, vllm_prompt_response
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds41gates.metrics import GroupReport, PanelMetrics
-from ds41gates.paths import repo_root
+from core.metrics import GroupReport, PanelMetrics
+from core.paths import repo_root
 
 DEFAULT_BANDS_FILE = repo_root() / "gates" / "bands.toml"
 

@@ -15,7 +15,7 @@ import numpy as np
 from scipy import stats
 from scipy.special import logsumexp
 
-from ds41gates.records import Record, RecordError
+from core.records import Record, RecordError
 
 REST_FLOOR = 1e-12
 NEAR_TIE_DELTA = 0.05
