@@ -169,10 +169,17 @@ def encoded_panel(panel_reference):
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
     """Start a server from a shipped profile (they all serve the embedded default model)."""
-    from ds41gates.pipeline import default_model_dir
     from engine import endpoint
+    from engine.models import default_model_dir
 
     return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def launch_engine():
+    """`launch_engine(profile, flags=(), overrides=None)` → (server, endpoint): for gates that need a second
+    server beside the one under test (speculation on, a flag flipped). The caller stops the server."""
+    return launch_endpoint
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,8 @@ pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")
-def spec_client(request, engine_endpoint, gate_config):
+def spec_client(request, engine_endpoint, gate_config, launch_engine):
     from engine.endpoint import EngineEndpoint, client_for
-    from ds41gates.pytest_plugin import launch_endpoint
 
     cfg = gate_config["specdec"]
     json.loads(cfg["speculative_config"])  # a malformed config fails here, not in the server log
@@ -39,8 +38,8 @@ def spec_client(request, engine_endpoint, gate_config):
     elif request.config.getoption("--engine-url"):
         pytest.skip("--engine-url given: set DS41_SPEC_ENGINE_URL to the same engine with speculation on")
     else:
-        server, ep = launch_endpoint(engine_endpoint.profile,
-                                     overrides={"extra_args": ["--speculative-config", cfg["speculative_config"]]})
+        server, ep = launch_engine(engine_endpoint.profile,
+                                   overrides={"extra_args": ["--speculative-config", cfg["speculative_config"]]})
     client = client_for(ep, max_concurrency=2)
     try:
         yield client
