@@ -1,6 +1,6 @@
 """Per-position logprob records: the one on-disk format both the oracle and the engine side write.
 
-Format `ds41-record/1` (docs/RECORDS.md): one safetensors file of flat arrays, with provenance and the
+Format `ds41-record/1` (docs/DESIGN.md, "The record format"): one safetensors file of flat arrays, with provenance and the
 sequence table as JSON in the safetensors metadata. No pickle. Writes are atomic.
 """
 

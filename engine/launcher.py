@@ -53,7 +53,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -683,12 +683,6 @@ def stop_session_servers() -> None:
     while _session:
         _, server = _session.popitem()
         server.stop()
-
-
-def iter_running() -> Iterator[EngineServer]:
-    with _live_lock:
-        servers = list(_live.values())
-    yield from servers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,9 +124,3 @@ def step_metrics(ref: Sequence[Sequence[StepLike]], test: Sequence[Sequence[Step
                        margin=np.asarray(pm.margin, dtype=np.float64),
                        abs_dlogprob=np.abs(rec_test.actual_logprob - rec_ref.actual_logprob),
                        ref_top1_prob=np.asarray(pm.ref_top1_prob, dtype=np.float64))
-
-
-def fmt_float(x: float | None, digits: int = 3) -> str | None:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return None
-    return f"{x:.{digits}g}"
