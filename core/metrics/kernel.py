@@ -25,6 +25,7 @@ from core.metrics.definition import (R20_SUPPORT, REST_FLOOR, PositionMetrics, r
 from core.records import Record, RecordError
 
 CHUNK_ROWS = 2048  # rows per exp buffer: 2048 × (32 + 20) float64 ≈ 0.85 MB, cache-resident
+ID_TABLE_SIZE = 1 << 18  # ids below this are looked up in a column table (1 MB); larger ids are searched
 
 _INF = np.inf
 
@@ -51,7 +52,7 @@ def _find(ids, i, t, hint):
 @numba.njit(cache=True, nogil=True)
 def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
           eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, rest_floor,
-          match, pt, qt, pe20, qe20,
+          column_of, match, pt, qt, pe20, qe20,
           kl_part, support, p_rest_o, q_rest_o, floored, outside, eng_k, kl_r20, r20_imp,
           top1, margin, ref_top1_prob, nll_ref, nll_eng, delta_p):
     """Rows [lo_row, hi_row); ref_e / eng_e hold exp of those rows' top-k logprobs (row i at i − lo_row).
@@ -69,8 +70,12 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
             bad |= not (eng_lp[i, j] < _INF)
         if bad:
             return i
+        table = column_of.shape[0]
         for r in range(k_ref):
             match[r] = -1
+            t = ref_ids[i, r]
+            if t >= 0 and t < table:
+                column_of[t] = r
         # ---- §2.2 partition KL over S = E ∩ O, walking E in the engine's rank order
         sp = 0.0
         sq = 0.0
@@ -96,7 +101,7 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 if t == a:
                     a_in_topk = True
                 qe = eng_e[c, j]
-                col = _find(ref_ids, i, t, j)
+                col = column_of[t] if t < table else _find(ref_ids, i, t, j)
                 if col >= 0:
                     match[col] = j
             else:
@@ -105,7 +110,7 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 t = a
                 q = eng_act[i]
                 qe = eng_act_e[i]
-                col = _find(ref_ids, i, t, 0)
+                col = column_of[t] if t < table else _find(ref_ids, i, t, 0)
             found = False
             p = 0.0
             pe = 0.0
@@ -193,6 +198,10 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 if pe20[s] > 0.0:
                     acc += (pe20[s] / sp) * ((pt[s] - lp) - (qt[s] - lq))
             kl_r20[i] = acc
+        for r in range(k_ref):
+            t = ref_ids[i, r]
+            if t >= 0 and t < table:
+                column_of[t] = -1
         # ---- §1, §2.4, §2.5 scalar columns
         top1[i] = eng_ids[i, 0] == ref_ids[i, 0]
         margin[i] = ref_lp[i, 0] - (ref_lp[i, 1] if k_ref > 1 else -_INF)
@@ -227,6 +236,7 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
     ref_e = np.empty((rows, k_ref))
     eng_e = np.empty((rows, k_eng))
     match = np.empty(max(k_ref, 1), np.int64)
+    column_of = np.full(ID_TABLE_SIZE, -1, np.int32)  # reference column of an id in the current row, else -1
     scratch = [np.empty(max(width, 1)) for _ in range(4)]
     out = dict(
         kl_part=np.empty(n), support_size=np.empty(n, np.int64), p_rest=np.empty(n), q_rest=np.empty(n),
@@ -242,7 +252,7 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
         np.exp(eng_lp[lo:hi], out=eng_e[:hi - lo])
         bad = _rows(lo, hi, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
                     eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, REST_FLOOR,
-                    match, *scratch, *outputs)
+                    column_of, match, *scratch, *outputs)
         if bad >= 0:
             refuse_bad_values(ref, "reference")
             refuse_bad_values(eng, "engine")
