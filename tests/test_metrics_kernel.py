@@ -179,3 +179,12 @@ def test_benchmark_records_kernel_equals_definition():
     ref, eng = make_records(3000, seq_len=300, seed=3)
     assert_kernel_equals_definition(kernel.kernel_position_metrics(ref, eng),
                                     definition.definition_position_metrics(ref, eng))
+
+
+@pytest.mark.parametrize("table_size", [1, 16])
+def test_ids_beyond_the_merge_table_are_searched(table_size, monkeypatch):
+    """Ids at or above the kernel's id → column table size take the search path; results are unchanged."""
+    monkeypatch.setattr(kernel, "ID_TABLE_SIZE", table_size)
+    ref, eng = edge_case_records(np.random.default_rng(11), k_ref=10, k_eng=6)  # vocab 30: ids 0..29
+    assert_kernel_equals_definition(kernel.kernel_position_metrics(ref, eng),
+                                    definition.definition_position_metrics(ref, eng))

@@ -1,12 +1,14 @@
 """The per-position metrics of `core.metrics.definition`, fast: one compiled pass over the rows.
 
 Rows are processed in chunks of `CHUNK_ROWS`. For each chunk numpy's vectorised `exp` fills two small
-buffers with the probabilities of both top-k lists (about 1 ns a value against 6–7 ns for a scalar
-`exp` inside the compiled loop, which is what the per-position work was dominated by), then the numba
-row loop does everything else: the NaN/+inf guard, the §2.2 merge of the two id lists, the §2.3
-lookups, and the scalar columns (top-1, margin, NLL, Δp). No per-position temporaries, no Python
-objects; the buffers stay in cache. Compiled without fastmath, one thread: every row is computed on
-its own in a fixed order, so results do not depend on the chunk size.
+buffers, the probabilities of the engine top-k and of the reference's first 20 ids (about 1 ns a value
+against 6–7 ns for a scalar `exp` inside the compiled loop, which dominated the per-position work);
+deeper reference columns are exponentiated only when the engine lists them. The numba row loop does
+everything else: the NaN/+inf guard, the merge of the two id lists (through an id → engine column
+table, one pass over the reference ids), the §2.2 and §2.3 sums, and the scalar columns (top-1,
+margin, NLL, Δp). No per-position temporaries, no Python objects; the buffers stay in cache. Compiled
+without fastmath, one thread: every row is computed on its own in a fixed order, so results do not
+depend on the chunk size.
 
 Rest masses: 1 − Σ_S p is taken from a compensated (Neumaier) sum, exact to the rounding of the exp
 values, where the definition's −expm1(logsumexp) loses about one ulp of 1 (≈1e-16 absolute). The two
@@ -24,8 +26,8 @@ import numpy as np
 from core.metrics.definition import (R20_SUPPORT, REST_FLOOR, PositionMetrics, refuse_bad_values)
 from core.records import Record, RecordError
 
-CHUNK_ROWS = 2048  # rows per exp buffer: 2048 × (32 + 20) float64 ≈ 0.85 MB, cache-resident
-ID_TABLE_SIZE = 1 << 18  # ids below this are looked up in a column table (1 MB); larger ids are searched
+CHUNK_ROWS = 2048  # rows per exp buffer: 2048 × (20 + 20) float64 ≈ 0.65 MB, cache-resident
+ID_TABLE_SIZE = 1 << 18  # ids below this are merged through an id → column table (1 MB); larger ids searched
 
 _INF = np.inf
 
@@ -52,14 +54,20 @@ def _find(ids, i, t, hint):
 @numba.njit(cache=True, nogil=True)
 def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
           eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, rest_floor,
-          column_of, match, pt, qt, pe20, qe20,
+          eng_col_of, ref_col_of_eng, eng_of_ref, pt, qt, pe20, qe20,
           kl_part, support, p_rest_o, q_rest_o, floored, outside, eng_k, kl_r20, r20_imp,
           top1, margin, ref_top1_prob, nll_ref, nll_eng, delta_p):
-    """Rows [lo_row, hi_row); ref_e / eng_e hold exp of those rows' top-k logprobs (row i at i − lo_row).
-    Returns the first row holding NaN or +inf (the caller names it in a RecordError), else -1."""
+    """Rows [lo_row, hi_row). ref_e holds exp of those rows' first `width` reference logprobs and eng_e
+    exp of their engine logprobs (row i at i − lo_row). Returns the first row holding NaN or +inf (the
+    caller names it in a RecordError), else -1.
+
+    The two id lists are merged through `eng_col_of` (id → engine column, -1 elsewhere; reset after
+    each row): the engine's ids and a go in, then one pass over the reference ids finds the shared
+    ones. Slot k_eng of `ref_col_of_eng` stands for a when a is not in the engine top-k."""
     k_ref = ref_ids.shape[1]
     k_eng = eng_ids.shape[1]
     vocab = full.shape[1]
+    table = eng_col_of.shape[0]
     for i in range(lo_row, hi_row):
         c = i - lo_row
         a = actual[i]
@@ -70,12 +78,54 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
             bad |= not (eng_lp[i, j] < _INF)
         if bad:
             return i
-        table = column_of.shape[0]
+        # ---- merge: which reference column holds each engine id (and a)
+        for r in range(width):
+            eng_of_ref[r] = -1
+        a_in_topk = False
+        for j in range(k_eng):
+            ref_col_of_eng[j] = -1
+            if eng_ids[i, j] == a:
+                a_in_topk = True
+        ref_col_of_eng[k_eng] = -1
+        n_tabled = 0
+        for j in range(k_eng + 1):
+            if j < k_eng:
+                t = eng_ids[i, j]
+                if t < 0:
+                    continue
+            else:
+                if a_in_topk:
+                    break
+                t = a
+            if t < table:
+                eng_col_of[t] = j
+                n_tabled += 1
+            else:  # beyond the table: search the reference row
+                col = _find(ref_ids, i, t, min(j, k_ref - 1))
+                ref_col_of_eng[j] = col
+                if 0 <= col < width:
+                    eng_of_ref[col] = j
+        n_found = 0
         for r in range(k_ref):
-            match[r] = -1
+            if n_found == n_tabled and r >= width:
+                break
             t = ref_ids[i, r]
             if t >= 0 and t < table:
-                column_of[t] = r
+                j = eng_col_of[t]
+                if j >= 0:
+                    ref_col_of_eng[j] = r
+                    n_found += 1
+                    if r < width:
+                        eng_of_ref[r] = j
+        for j in range(k_eng + 1):
+            if j < k_eng:
+                t = eng_ids[i, j]
+            elif a_in_topk:
+                break
+            else:
+                t = a
+            if t >= 0 and t < table:
+                eng_col_of[t] = -1
         # ---- §2.2 partition KL over S = E ∩ O, walking E in the engine's rank order
         sp = 0.0
         sq = 0.0
@@ -85,7 +135,6 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
         ns = 0
         n_out = 0
         ek = 0
-        a_in_topk = False
         q_min = _INF
         qe_min = 0.0
         for j in range(k_eng + 1):
@@ -98,19 +147,14 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 if t < 0:
                     continue
                 ek += 1
-                if t == a:
-                    a_in_topk = True
                 qe = eng_e[c, j]
-                col = column_of[t] if t < table else _find(ref_ids, i, t, j)
-                if col >= 0:
-                    match[col] = j
             else:
                 if a_in_topk:
                     break
                 t = a
                 q = eng_act[i]
                 qe = eng_act_e[i]
-                col = column_of[t] if t < table else _find(ref_ids, i, t, 0)
+            col = ref_col_of_eng[j]
             found = False
             p = 0.0
             pe = 0.0
@@ -121,7 +165,7 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                     found = True
             elif col >= 0:
                 p = ref_lp[i, col]
-                pe = ref_e[c, col]
+                pe = ref_e[c, col] if col < width else math.exp(p)
                 found = True
             elif t == a:
                 p = ref_act[i]
@@ -173,10 +217,10 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 continue
             pt[nt] = ref_lp[i, r]
             pe20[nt] = ref_e[c, r]
-            m = match[r]
-            if m >= 0:
-                qt[nt] = eng_lp[i, m]
-                qe20[nt] = eng_e[c, m]
+            j = eng_of_ref[r]
+            if 0 <= j < k_eng:
+                qt[nt] = eng_lp[i, j]
+                qe20[nt] = eng_e[c, j]
             elif t == a:
                 qt[nt] = eng_act[i]
                 qe20[nt] = eng_act_e[i]
@@ -198,10 +242,6 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
                 if pe20[s] > 0.0:
                     acc += (pe20[s] / sp) * ((pt[s] - lp) - (qt[s] - lq))
             kl_r20[i] = acc
-        for r in range(k_ref):
-            t = ref_ids[i, r]
-            if t >= 0 and t < table:
-                column_of[t] = -1
         # ---- §1, §2.4, §2.5 scalar columns
         top1[i] = eng_ids[i, 0] == ref_ids[i, 0]
         margin[i] = ref_lp[i, 0] - (ref_lp[i, 1] if k_ref > 1 else -_INF)
@@ -233,10 +273,11 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
     k_ref, k_eng = ref_lp.shape[1], eng_lp.shape[1]
     width = min(R20_SUPPORT, k_ref)
     rows = max(1, min(n, chunk_rows))
-    ref_e = np.empty((rows, k_ref))
+    ref_e = np.empty((rows, width))
     eng_e = np.empty((rows, k_eng))
-    match = np.empty(max(k_ref, 1), np.int64)
-    column_of = np.full(ID_TABLE_SIZE, -1, np.int32)  # reference column of an id in the current row, else -1
+    eng_col_of = np.full(ID_TABLE_SIZE, -1, np.int32)
+    ref_col_of_eng = np.empty(k_eng + 1, np.int64)
+    eng_of_ref = np.empty(max(width, 1), np.int64)
     scratch = [np.empty(max(width, 1)) for _ in range(4)]
     out = dict(
         kl_part=np.empty(n), support_size=np.empty(n, np.int64), p_rest=np.empty(n), q_rest=np.empty(n),
@@ -248,11 +289,11 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
     outputs = tuple(out.values())
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        np.exp(ref_lp[lo:hi], out=ref_e[:hi - lo])
+        np.exp(ref_lp[lo:hi, :width], out=ref_e[:hi - lo])
         np.exp(eng_lp[lo:hi], out=eng_e[:hi - lo])
         bad = _rows(lo, hi, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
                     eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, REST_FLOOR,
-                    column_of, match, *scratch, *outputs)
+                    eng_col_of, ref_col_of_eng, eng_of_ref, *scratch, *outputs)
         if bad >= 0:
             refuse_bad_values(ref, "reference")
             refuse_bad_values(eng, "engine")
