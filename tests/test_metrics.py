@@ -222,6 +222,24 @@ def test_paired_comparison_uses_per_prompt_differences_and_wilcoxon():
     assert cmp.mean_diff > 0 and cmp.wilcoxon_p < 0.01
 
 
+def test_paired_prompt_comparison_from_per_prompt_means():
+    rng = np.random.default_rng(12)
+    ma = rng.gamma(2.0, 0.01, size=40)
+    mb = ma + rng.normal(0.004, 0.003, size=40)
+    ma[3] = np.nan  # a prompt without a value on one side is left out
+    cmp = metrics.paired_prompt_comparison(ma, mb, "kl_r20", n_boot=4000, seed=1)
+    d = (mb - ma)[~np.isnan(ma)]
+    assert cmp.metric == "kl_r20" and cmp.n_prompts == 39
+    assert cmp.mean_diff == pytest.approx(d.mean(), rel=1e-12)
+    assert cmp.wilcoxon_p == pytest.approx(stats.wilcoxon(d).pvalue, rel=1e-12)
+    se = d.std(ddof=1) / math.sqrt(d.size)  # the percentile interval is close to the normal one here
+    assert cmp.ci_low == pytest.approx(d.mean() - 1.96 * se, abs=0.25 * se)
+    assert cmp.ci_high == pytest.approx(d.mean() + 1.96 * se, abs=0.25 * se)
+    assert metrics.paired_prompt_comparison(ma, ma).wilcoxon_p == 1.0
+    with pytest.raises(ValueError, match="one length"):
+        metrics.paired_prompt_comparison(ma, mb[:-1])
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_nan_logprob_is_refused_with_sequence_and_position():

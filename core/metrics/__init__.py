@@ -11,7 +11,7 @@
 from core.metrics.definition import (CONFIDENCE_EDGES, CONFIDENCE_LABELS, NEAR_TIE_DELTA, R20_SUPPORT, REST_FLOOR,
                                      PositionMetrics, definition_position_metrics)
 from core.metrics.kernel import kernel_position_metrics
-from core.metrics.paired import PairedComparison, paired_comparison, per_prompt_means
+from core.metrics.paired import PairedComparison, paired_comparison, paired_prompt_comparison, per_prompt_means
 from core.metrics.panel import GroupReport, PanelMetrics, group_report, panel_metrics
 from core.metrics.positions import backend, position_metrics
 from core.metrics.summaries import (DP_QUANTILES, Summary, delta_p_stats, macro_bootstrap, perplexity_stats,
@@ -21,6 +21,6 @@ __all__ = [
     "CONFIDENCE_EDGES", "CONFIDENCE_LABELS", "DP_QUANTILES", "NEAR_TIE_DELTA", "R20_SUPPORT", "REST_FLOOR",
     "GroupReport", "PairedComparison", "PanelMetrics", "PositionMetrics", "Summary",
     "backend", "definition_position_metrics", "delta_p_stats", "group_report", "kernel_position_metrics",
-    "macro_bootstrap", "paired_comparison", "panel_metrics", "per_prompt_means", "perplexity_stats",
+    "macro_bootstrap", "paired_comparison", "paired_prompt_comparison", "panel_metrics", "per_prompt_means", "perplexity_stats",
     "position_metrics", "prompt_bootstrap", "summarize",
 ]

@@ -54,7 +54,7 @@ def _find(ids, i, t, hint):
 @numba.njit(cache=True, nogil=True)
 def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
           eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, rest_floor,
-          eng_col_of, ref_col_of_eng, eng_of_ref, pt, qt, pe20, qe20,
+          eng_col_of, ref_col_of_eng, eng_of_ref,
           kl_part, support, p_rest_o, q_rest_o, floored, outside, eng_k, kl_r20, r20_imp,
           top1, margin, ref_top1_prob, nll_ref, nll_eng, delta_p):
     """Rows [lo_row, hi_row). ref_e holds exp of those rows' first `width` reference logprobs and eng_e
@@ -82,17 +82,15 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
         for r in range(width):
             eng_of_ref[r] = -1
         a_in_topk = False
-        for j in range(k_eng):
-            ref_col_of_eng[j] = -1
-            if eng_ids[i, j] == a:
-                a_in_topk = True
-        ref_col_of_eng[k_eng] = -1
         n_tabled = 0
         for j in range(k_eng + 1):
+            ref_col_of_eng[j] = -1
             if j < k_eng:
                 t = eng_ids[i, j]
                 if t < 0:
                     continue
+                if t == a:
+                    a_in_topk = True
             else:
                 if a_in_topk:
                     break
@@ -198,7 +196,7 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
             if qr < rest_floor:
                 qu = rest_floor
                 fl = True
-            rest = pr * (math.log(pr) - math.log(qu))
+            rest = pr * math.log(pr / qu)
         kl_part[i] = terms + rest
         support[i] = ns
         p_rest_o[i] = max(pr, 0.0)
@@ -206,42 +204,43 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
         floored[i] = fl
         outside[i] = n_out
         eng_k[i] = ek
-        # ---- §2.3 renormalised top-20 KL over the reference's first `width` ids
-        nt = 0
+        # ---- §2.3 renormalised top-20 KL over the reference's first `width` ids, in one pass:
+        # Σ p̂ (ln p̂ − ln q̂) = Σ_{p>0} p (ln p − ln q) / Σp − ln(Σp / Σq)
         imputed = 0
+        nt = 0
         sp = 0.0
         sq = 0.0
+        acc = 0.0
         for r in range(width):
             t = ref_ids[i, r]
             if t < 0:
                 continue
-            pt[nt] = ref_lp[i, r]
-            pe20[nt] = ref_e[c, r]
+            nt += 1
             j = eng_of_ref[r]
             if 0 <= j < k_eng:
-                qt[nt] = eng_lp[i, j]
-                qe20[nt] = eng_e[c, j]
+                q = eng_lp[i, j]
+                qe = eng_e[c, j]
             elif t == a:
-                qt[nt] = eng_act[i]
-                qe20[nt] = eng_act_e[i]
+                q = eng_act[i]
+                qe = eng_act_e[i]
             else:
-                qt[nt] = q_min
-                qe20[nt] = qe_min
+                q = q_min
+                qe = qe_min
                 imputed += 1
-            sp += pe20[nt]
-            sq += qe20[nt]
-            nt += 1
+            pe = ref_e[c, r]
+            sp += pe
+            sq += qe
+            if pe > 0.0:
+                acc += pe * (ref_lp[i, r] - q)
         r20_imp[i] = imputed
         if (imputed > 0 and q_min == _INF) or (nt > 0 and sp == 0.0):
-            kl_r20[i] = np.nan
+            kl_r20[i] = np.nan  # nothing to impute from, or no reference mass on T: undefined
+        elif nt == 0:
+            kl_r20[i] = 0.0
+        elif sq == 0.0:
+            kl_r20[i] = np.nan  # every q_t = 0: q̂ undefined
         else:
-            lp = math.log(sp) if sp > 0.0 else -_INF
-            lq = math.log(sq) if sq > 0.0 else -_INF
-            acc = 0.0
-            for s in range(nt):
-                if pe20[s] > 0.0:
-                    acc += (pe20[s] / sp) * ((pt[s] - lp) - (qt[s] - lq))
-            kl_r20[i] = acc
+            kl_r20[i] = acc / sp - math.log(sp / sq)
         # ---- §1, §2.4, §2.5 scalar columns
         top1[i] = eng_ids[i, 0] == ref_ids[i, 0]
         margin[i] = ref_lp[i, 0] - (ref_lp[i, 1] if k_ref > 1 else -_INF)
@@ -275,10 +274,11 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
     rows = max(1, min(n, chunk_rows))
     ref_e = np.empty((rows, width))
     eng_e = np.empty((rows, k_eng))
-    eng_col_of = np.full(ID_TABLE_SIZE, -1, np.int32)
+    # the smallest column type that holds k_eng: a smaller table stays in a nearer cache
+    col_type = np.int8 if k_eng < 127 else np.int16 if k_eng < 32767 else np.int32
+    eng_col_of = np.full(ID_TABLE_SIZE, -1, col_type)
     ref_col_of_eng = np.empty(k_eng + 1, np.int64)
     eng_of_ref = np.empty(max(width, 1), np.int64)
-    scratch = [np.empty(max(width, 1)) for _ in range(4)]
     out = dict(
         kl_part=np.empty(n), support_size=np.empty(n, np.int64), p_rest=np.empty(n), q_rest=np.empty(n),
         rest_floored=np.empty(n, bool), engine_outside_oracle=np.empty(n, np.int64),
@@ -293,7 +293,7 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
         np.exp(eng_lp[lo:hi], out=eng_e[:hi - lo])
         bad = _rows(lo, hi, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
                     eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, REST_FLOOR,
-                    eng_col_of, ref_col_of_eng, eng_of_ref, *scratch, *outputs)
+                    eng_col_of, ref_col_of_eng, eng_of_ref, *outputs)
         if bad >= 0:
             refuse_bad_values(ref, "reference")
             refuse_bad_values(eng, "engine")
