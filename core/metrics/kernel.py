@@ -51,10 +51,20 @@ def _find(ids, i, t, hint):
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add(total, compensation, x):
+    """Neumaier step: total + compensation is the sum so far, exact to O(n ε²) for these ≤ 1 summands."""
+    s = total + x
+    if total >= x:
+        compensation += (total - s) + x
+    else:
+        compensation += (x - s) + total
+    return s, compensation
+
+
 @numba.njit(cache=True, nogil=True)
 def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
-          eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, rest_floor,
-          eng_col_of, ref_col_of_eng, eng_of_ref,
+          eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, rest_floor, eng_col_of, eng_of_ref,
           kl_part, support, p_rest_o, q_rest_o, floored, outside, eng_k, kl_r20, r20_imp,
           top1, margin, ref_top1_prob, nll_ref, nll_eng, delta_p):
     """Rows [lo_row, hi_row). ref_e holds exp of those rows' first `width` reference logprobs and eng_e
@@ -62,8 +72,10 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
     caller names it in a RecordError), else -1.
 
     The two id lists are merged through `eng_col_of` (id → engine column, -1 elsewhere; reset after
-    each row): the engine's ids and a go in, then one pass over the reference ids finds the shared
-    ones. Slot k_eng of `ref_col_of_eng` stands for a when a is not in the engine top-k."""
+    each row): the engine's ids go in, with a in slot k_eng when a is not in the engine top-k; one
+    pass over the reference ids then finds the shared ones and accumulates both divergences. Ids at or
+    above the table size are searched in the reference row instead and noted in `eng_of_ref`
+    (reference column → engine slot, -1 elsewhere; reset as the pass reads it)."""
     k_ref = ref_ids.shape[1]
     k_eng = eng_ids.shape[1]
     vocab = full.shape[1]
@@ -78,115 +90,149 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
             bad |= not (eng_lp[i, j] < _INF)
         if bad:
             return i
-        # ---- merge: which reference column holds each engine id (and a)
-        for r in range(width):
-            eng_of_ref[r] = -1
-        a_in_topk = False
-        n_tabled = 0
-        for j in range(k_eng + 1):
-            ref_col_of_eng[j] = -1
-            if j < k_eng:
-                t = eng_ids[i, j]
-                if t < 0:
-                    continue
-                if t == a:
-                    a_in_topk = True
-            else:
-                if a_in_topk:
-                    break
-                t = a
+        # ---- the engine side: E's ids into the table, q_min (§2.3), the top-k count
+        a_col = -1
+        n_expected = 0
+        ek = 0
+        q_min = _INF
+        qe_min = 0.0
+        for j in range(k_eng):
+            q = eng_lp[i, j]
+            if q > -_INF and q < q_min:  # §2.3 q_min: smallest probability the engine returned
+                q_min = q
+                qe_min = eng_e[c, j]
+            t = eng_ids[i, j]
+            if t < 0:
+                continue
+            ek += 1
+            if t == a:
+                a_col = j
             if t < table:
                 eng_col_of[t] = j
-                n_tabled += 1
-            else:  # beyond the table: search the reference row
-                col = _find(ref_ids, i, t, min(j, k_ref - 1))
-                ref_col_of_eng[j] = col
-                if 0 <= col < width:
-                    eng_of_ref[col] = j
-        n_found = 0
-        for r in range(k_ref):
-            if n_found == n_tabled and r >= width:
-                break
-            t = ref_ids[i, r]
-            if t >= 0 and t < table:
-                j = eng_col_of[t]
-                if j >= 0:
-                    ref_col_of_eng[j] = r
-                    n_found += 1
-                    if r < width:
-                        eng_of_ref[r] = j
-        for j in range(k_eng + 1):
-            if j < k_eng:
-                t = eng_ids[i, j]
-            elif a_in_topk:
-                break
+                n_expected += 1
             else:
-                t = a
-            if t >= 0 and t < table:
-                eng_col_of[t] = -1
-        # ---- §2.2 partition KL over S = E ∩ O, walking E in the engine's rank order
+                col = _find(ref_ids, i, t, min(j, k_ref - 1))
+                if col >= 0:
+                    eng_of_ref[col] = j
+                    n_expected += 1
+        if a_col < 0:
+            if a < table:
+                eng_col_of[a] = k_eng
+                n_expected += 1
+            else:
+                col = _find(ref_ids, i, a, k_ref - 1)
+                if col >= 0:
+                    eng_of_ref[col] = k_eng
+                    n_expected += 1
+        # ---- one pass over the reference ids: S = E ∩ O (§2.2) and T = the first `width` ids (§2.3)
         sp = 0.0
         sq = 0.0
         sp_c = 0.0
         sq_c = 0.0
         terms = 0.0
         ns = 0
-        n_out = 0
-        ek = 0
-        q_min = _INF
-        qe_min = 0.0
-        for j in range(k_eng + 1):
-            if j < k_eng:
-                q = eng_lp[i, j]
-                if q > -_INF and q < q_min:  # §2.3 q_min: smallest probability the engine returned
-                    q_min = q
-                    qe_min = eng_e[c, j]
-                t = eng_ids[i, j]
-                if t < 0:
-                    continue
-                ek += 1
-                qe = eng_e[c, j]
+        n_matched_topk = 0
+        a_matched = False
+        nt = 0
+        imputed = 0
+        sp20 = 0.0
+        sq20 = 0.0
+        acc20 = 0.0
+        n_found = 0
+        for r in range(k_ref):
+            if n_found == n_expected and r >= width:
+                break
+            t = ref_ids[i, r]
+            if t < 0:
+                continue
+            if t < table:
+                j = eng_col_of[t]
             else:
-                if a_in_topk:
+                j = eng_of_ref[r]
+                eng_of_ref[r] = -1
+            q = 0.0
+            qe = 0.0
+            if j >= 0:
+                n_found += 1
+                if j < k_eng:
+                    q = eng_lp[i, j]
+                    qe = eng_e[c, j]
+                    n_matched_topk += 1
+                else:
+                    q = eng_act[i]
+                    qe = eng_act_e[i]
+                if t == a:
+                    a_matched = True
+            if r < width:
+                p = ref_lp[i, r]
+                pe = ref_e[c, r]
+                nt += 1
+                if j < 0:  # t ∉ E (a always is): impute q_t := q_min, counted
+                    q = q_min
+                    qe = qe_min
+                    imputed += 1
+                sp20 += pe
+                sq20 += qe
+                if pe > 0.0:
+                    acc20 += pe * (p - q)
+            elif j >= 0 and not has_full:
+                p = ref_lp[i, r]
+                pe = math.exp(p)
+            if j >= 0 and not has_full:
+                ns += 1
+                sp, sp_c = _add(sp, sp_c, pe)
+                sq, sq_c = _add(sq, sq_c, qe)
+                if pe > 0.0:
+                    terms += pe * (p - q)
+        for j in range(k_eng):
+            t = eng_ids[i, j]
+            if t >= 0 and t < table:
+                eng_col_of[t] = -1
+        if a_col < 0 and a < table:
+            eng_col_of[a] = -1
+        if has_full:  # O = the vocabulary: S = E restricted to ids below it
+            n_out = 0
+            for j in range(k_eng + 1):
+                if j < k_eng:
+                    t = eng_ids[i, j]
+                    if t < 0:
+                        continue
+                    q = eng_lp[i, j]
+                    qe = eng_e[c, j]
+                elif a_col >= 0:
                     break
-                t = a
-                q = eng_act[i]
-                qe = eng_act_e[i]
-            col = ref_col_of_eng[j]
-            found = False
-            p = 0.0
-            pe = 0.0
-            if has_full:
+                else:
+                    t = a
+                    q = eng_act[i]
+                    qe = eng_act_e[i]
                 if t < vocab:
                     p = np.float64(full[i, t])
                     pe = math.exp(p)
-                    found = True
-            elif col >= 0:
-                p = ref_lp[i, col]
-                pe = ref_e[c, col] if col < width else math.exp(p)
-                found = True
-            elif t == a:
+                    ns += 1
+                    sp, sp_c = _add(sp, sp_c, pe)
+                    sq, sq_c = _add(sq, sq_c, qe)
+                    if pe > 0.0:
+                        terms += pe * (p - q)
+                elif j < k_eng:
+                    n_out += 1
+        else:
+            n_out = ek - n_matched_topk
+            if not a_matched:  # a ∈ O through ln p_a even outside the oracle top-K
+                if a_col >= 0:
+                    q = eng_lp[i, a_col]
+                    qe = eng_e[c, a_col]
+                    n_out -= 1
+                else:
+                    q = eng_act[i]
+                    qe = eng_act_e[i]
                 p = ref_act[i]
                 pe = ref_act_e[i]
-                found = True
-            if found:
                 ns += 1
-                s1 = sp + pe
-                if sp >= pe:
-                    sp_c += (sp - s1) + pe
-                else:
-                    sp_c += (pe - s1) + sp
-                sp = s1
-                s1 = sq + qe
-                if sq >= qe:
-                    sq_c += (sq - s1) + qe
-                else:
-                    sq_c += (qe - s1) + sq
-                sq = s1
+                sp, sp_c = _add(sp, sp_c, pe)
+                sq, sq_c = _add(sq, sq_c, qe)
                 if pe > 0.0:
                     terms += pe * (p - q)
-            elif j < k_eng:
-                n_out += 1
+        # ---- §2.2 rest cell and result
         pr = (1.0 - sp) - sp_c
         qr = (1.0 - sq) - sq_c
         rest = 0.0
@@ -204,43 +250,16 @@ def _rows(lo_row, hi_row, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_
         floored[i] = fl
         outside[i] = n_out
         eng_k[i] = ek
-        # ---- §2.3 renormalised top-20 KL over the reference's first `width` ids, in one pass:
-        # Σ p̂ (ln p̂ − ln q̂) = Σ_{p>0} p (ln p − ln q) / Σp − ln(Σp / Σq)
-        imputed = 0
-        nt = 0
-        sp = 0.0
-        sq = 0.0
-        acc = 0.0
-        for r in range(width):
-            t = ref_ids[i, r]
-            if t < 0:
-                continue
-            nt += 1
-            j = eng_of_ref[r]
-            if 0 <= j < k_eng:
-                q = eng_lp[i, j]
-                qe = eng_e[c, j]
-            elif t == a:
-                q = eng_act[i]
-                qe = eng_act_e[i]
-            else:
-                q = q_min
-                qe = qe_min
-                imputed += 1
-            pe = ref_e[c, r]
-            sp += pe
-            sq += qe
-            if pe > 0.0:
-                acc += pe * (ref_lp[i, r] - q)
+        # ---- §2.3 result: Σ p̂ (ln p̂ − ln q̂) = Σ_{p>0} p (ln p − ln q) / Σp − ln(Σp / Σq)
         r20_imp[i] = imputed
-        if (imputed > 0 and q_min == _INF) or (nt > 0 and sp == 0.0):
+        if (imputed > 0 and q_min == _INF) or (nt > 0 and sp20 == 0.0):
             kl_r20[i] = np.nan  # nothing to impute from, or no reference mass on T: undefined
         elif nt == 0:
             kl_r20[i] = 0.0
-        elif sq == 0.0:
+        elif sq20 == 0.0:
             kl_r20[i] = np.nan  # every q_t = 0: q̂ undefined
         else:
-            kl_r20[i] = acc / sp - math.log(sp / sq)
+            kl_r20[i] = acc20 / sp20 - math.log(sp20 / sq20)
         # ---- §1, §2.4, §2.5 scalar columns
         top1[i] = eng_ids[i, 0] == ref_ids[i, 0]
         margin[i] = ref_lp[i, 0] - (ref_lp[i, 1] if k_ref > 1 else -_INF)
@@ -277,8 +296,7 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
     # the smallest column type that holds k_eng: a smaller table stays in a nearer cache
     col_type = np.int8 if k_eng < 127 else np.int16 if k_eng < 32767 else np.int32
     eng_col_of = np.full(ID_TABLE_SIZE, -1, col_type)
-    ref_col_of_eng = np.empty(k_eng + 1, np.int64)
-    eng_of_ref = np.empty(max(width, 1), np.int64)
+    eng_of_ref = np.full(max(k_ref, 1), -1, np.int64)
     out = dict(
         kl_part=np.empty(n), support_size=np.empty(n, np.int64), p_rest=np.empty(n), q_rest=np.empty(n),
         rest_floored=np.empty(n, bool), engine_outside_oracle=np.empty(n, np.int64),
@@ -293,7 +311,7 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
         np.exp(eng_lp[lo:hi], out=eng_e[:hi - lo])
         bad = _rows(lo, hi, ref_ids, ref_lp, ref_e, ref_act, ref_act_e, full, has_full,
                     eng_ids, eng_lp, eng_e, eng_act, eng_act_e, actual, width, REST_FLOOR,
-                    eng_col_of, ref_col_of_eng, eng_of_ref, *outputs)
+                    eng_col_of, eng_of_ref, *outputs)
         if bad >= 0:
             refuse_bad_values(ref, "reference")
             refuse_bad_values(eng, "engine")
