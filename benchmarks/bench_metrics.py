@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     wall = {"memcpy": [], "np_copy": [], "position_metrics": []}
     cpu = {"memcpy": [], "np_copy": [], "position_metrics": []}
     for _ in range(args.rounds):  # interleaved, so all three see the same machine load
-        for name, fn, fn_args in (("memcpy", memcpy_inputs, (ref, eng, targets)), ("np_copy", np_copy_inputs, (ref, eng)),
+        for name, fn, fn_args in (("memcpy", memcpy_inputs, (ref, eng, targets)),
+                                  ("np_copy", np_copy_inputs, (ref, eng)),
                                   ("position_metrics", metrics.position_metrics, (ref, eng))):
             w, c, _ = timed(fn, *fn_args)
             wall[name].append(w)

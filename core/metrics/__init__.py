@@ -21,6 +21,7 @@ __all__ = [
     "CONFIDENCE_EDGES", "CONFIDENCE_LABELS", "DP_QUANTILES", "NEAR_TIE_DELTA", "R20_SUPPORT", "REST_FLOOR",
     "GroupReport", "PairedComparison", "PanelMetrics", "PositionMetrics", "Summary",
     "backend", "definition_position_metrics", "delta_p_stats", "group_report", "kernel_position_metrics",
-    "macro_bootstrap", "paired_comparison", "paired_prompt_comparison", "panel_metrics", "per_prompt_means", "perplexity_stats",
+    "macro_bootstrap", "paired_comparison", "paired_prompt_comparison", "panel_metrics", "per_prompt_means",
+    "perplexity_stats",
     "position_metrics", "prompt_bootstrap", "summarize",
 ]

@@ -90,7 +90,8 @@ class RenormalisedKL(NamedTuple):
 
 def engine_values(topk_ids, topk_logprobs, actual_id: int, actual_logprob: float) -> dict[int, float]:
     """E with its ln q (§2.1): the engine's top-k (padding ids < 0 dropped) plus the actual token a.
-    A top-k value wins over the separately reported ln q_a."""
+    A top-k value wins over the separately reported ln q_a. Clamped values (ln q ≤ −9999, §2.2: q_t = 0)
+    were turned into −inf when the record was built (`core.records.CLAMP_LOGPROB`)."""
     known = {int(t): float(v) for t, v in zip(topk_ids, topk_logprobs) if t >= 0}
     known.setdefault(int(actual_id), float(actual_logprob))
     return known
@@ -135,7 +136,8 @@ def partition_kl(oracle: Mapping[int, float], engine: dict[int, float], engine_t
     p_rest = -math.expm1(logsumexp(ln_p)) if support else 1.0       # §2.2 rules: P_rest = −expm1(logsumexp_S ln p)
     q_rest = -math.expm1(logsumexp(ln_q)) if support else 1.0
     p = np.exp(ln_p)
-    with np.errstate(invalid="ignore"):                             # q_t = 0 (ln q = −inf) under p_t > 0: +inf, a hard fail
+    # q_t = 0 (ln q = −inf) under p_t > 0 gives +inf: a hard fail of the position
+    with np.errstate(invalid="ignore"):
         kl = float(np.sum(np.where(p > 0, p * (ln_p - ln_q), 0.0)))  # a term with p_t = 0 contributes 0
     floored = False
     if p_rest >= REST_FLOOR:                                        # P_rest < 1e-12: the rest term is 0
@@ -154,7 +156,7 @@ def renormalised_top20_kl(ref_topk_ids, ref_topk_logprobs, engine: dict[int, flo
     if not top:
         return RenormalisedKL(0.0, 0)
     finite = [float(v) for v in engine_topk_logprobs if np.isfinite(v)]
-    ln_q_min = min(finite) if finite else None                      # q_min: the smallest probability the engine returned
+    ln_q_min = min(finite) if finite else None                      # q_min: smallest probability the engine gave
     imputed = sum(1 for t, _ in top if t not in engine)
     if imputed and ln_q_min is None:                                # nothing to impute from: undefined
         return RenormalisedKL(math.nan, imputed)

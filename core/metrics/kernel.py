@@ -27,7 +27,8 @@ from core.metrics.definition import (R20_SUPPORT, REST_FLOOR, PositionMetrics, r
 from core.records import Record, RecordError
 
 CHUNK_ROWS = 2048  # rows per exp buffer: 2048 × (20 + 20) float64 ≈ 0.65 MB, cache-resident
-ID_TABLE_SIZE = 1 << 18  # ids below this merge through an id → engine column table (256 KB as int8); larger ids are searched
+ID_TABLE_SIZE = 1 << 18  # ids below this merge through an id → engine column table (256 KB as int8);
+#                          larger ids are searched in the reference row
 
 _INF = np.inf
 
