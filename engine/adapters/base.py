@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol, Sequence
 
+from core.records import CLAMP_LOGPROB
 from engine.errors import EngineResponseError, Malformed
 
-CLAMP = -9999.0  # vLLM clamps -inf to -9999.0; llama-server writes FLT_MIN-ish lowest() (engines.md §3.3, §5)
 
 KeyedBy = Literal["id", "string"]
 
@@ -196,7 +196,7 @@ def logprob_value(val: Any, what: str, seq_id: str | None, position: int | None)
         raise EngineResponseError(Malformed.NON_FINITE, f"{what} is {x!r}", seq_id, position)
     if x > 1e-6:
         raise EngineResponseError(Malformed.POSITIVE_LOGPROB, f"{what} is {x!r} > 0", seq_id, position)
-    if x <= CLAMP:
+    if x <= CLAMP_LOGPROB:  # vLLM's -9999.0 for -inf; llama-server writes lowest() (engines.md §3.3, §5)
         return -math.inf
     return min(x, 0.0)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Sequence
 
+from core.records import CLAMP_LOGPROB
 from engine.adapters.base import (
     Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, check_same_ids,
     logprob_value, need, parse_id_key, single_choice, split_topk, token_id, usage_cached_tokens,
@@ -103,18 +104,19 @@ def _entry_fast(entry: dict, vocab_size: int | None) -> tuple[dict[int, float], 
     """Values and ranks of one well-formed prompt_logprobs entry, or None at the first oddity.
 
     Accepts only what :func:`_entry_checked` accepts without change (plain decimal keys in range, float
-    logprobs in (-9999, 0], int ranks >= 1); anything else — including clamped values — goes through the
+    logprobs in (CLAMP_LOGPROB, 0], int ranks >= 1); anything else — including clamped values — goes through the
     checked path, which raises the precise error or normalises the value.
     """
     values: dict[int, float] = {}
     ranks: dict[int, int] = {}
     limit = vocab_size if vocab_size is not None else 1 << 62
+    clamp = CLAMP_LOGPROB
     for key, item in entry.items():
         if type(item) is not dict or not key.isascii() or not key.isdigit() or (key[0] == "0" and len(key) > 1):
             return None
         lp = item.get("logprob")
         r = item.get("rank")
-        if type(lp) is not float or type(r) is not int or not (-9999.0 < lp <= 0.0) or r < 1 or r > limit:
+        if type(lp) is not float or type(r) is not int or not (clamp < lp <= 0.0) or r < 1 or r > limit:
             return None
         tid = int(key)
         if tid >= limit:

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-NEAR_TIE_DELTA = 0.05  # gates.md §1: a position is a near-tie when ln p(1) - ln p(2) < δ
+from core.metrics import NEAR_TIE_DELTA  # gates.md §1: a near-tie when ln p(1) - ln p(2) < δ
 
 
 class StepLike(Protocol):
