@@ -1,16 +1,16 @@
-"""Pass bands and the per-domain verdict of the KL panel gate (gates.md §3, "Pass rule")."""
+"""Pass bands and the per-domain verdict of the KL panel gate (gates.md §3, "Pass rule").
+
+The bands file belongs to whoever gates (the gate suite ships gates/bands.toml); callers pass its path."""
 
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.metrics import GroupReport, PanelMetrics
-from core.paths import repo_root
-
-DEFAULT_BANDS_FILE = repo_root() / "gates" / "bands.toml"
 
 
 class BandsError(ValueError):
@@ -46,8 +46,8 @@ class PanelVerdict:
                 for d in self.domains]
 
 
-def load_bands(profile: str, path: Path | None = None) -> dict[str, Band]:
-    path = Path(path or DEFAULT_BANDS_FILE)
+def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
+    path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -11,9 +11,9 @@ from core.verdicts import judge
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
-def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results):
+def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results, bands_file):
     result, gate = judge(panel_reference, panel_engine_record, engine_endpoint.profile,
-                         label=engine_endpoint.profile)
+                         label=engine_endpoint.profile, bands_file=bands_file)
     gate_results.panel_gates.append(gate)
     gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
                                   "summary": gate.summary, "metrics": result.as_dict()})

@@ -1,4 +1,4 @@
-"""Flag registry (engine/flags.py), A/B verdicts (engine/flag_ab.py) and `ds41gate flags` — no engine needed."""
+"""Flag registry (nightly/flags.py), A/B statistics (nightly/flag_ab.py) and `ds41gate flags` — no engine needed."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from typer.testing import CliRunner
 
 from core import metrics
 from core.records import Record
-from engine import flag_ab as ab
 from engine.adapters.base import Generation, PositionLogprobs
-from engine.flags import (CLASS_GATES, DEFAULT_REGISTRY, FlagRegistryError, Thresholds, ValueSpec, check_profile,
-                          lane_of, load_registry, load_registry_file, parse_registry)
 from engine.launcher import load_profile, parse_profile
+from nightly import flag_ab as ab
+from nightly.flags import (CLASS_GATES, DEFAULT_REGISTRY, FlagRegistryError, Thresholds, ValueSpec, check_profile,
+                           lane_of, load_registry, load_registry_file, parse_registry)
 from tests.recordkit import pair_of_records, provenance, sequence_from_full
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_REGISTRY = REPO / "gates" / "flags-vllm-cpu.toml"
+CPU_REGISTRY = REPO / "nightly" / "flags-vllm-cpu.toml"
 SHARED = REPO.parent / "shared"  # the team's shared docs sit beside the checkout (CI copies them there too)
 SEED_FLAGS = ["VLLM_DS41_MOE_EXL3_PLAN", "VLLM_DS41_MOE_EXL3_GROUP_MIN_TOKENS", "VLLM_DS41_BATCH_INVARIANT_GEMM",
               "VLLM_DS41_ATTN_GRAPH", "VLLM_DS41_BUILDER_GRAPHS", "VLLM_DS41_HC_FUSED", "VLLM_DS41_HC_NORM_EXACT"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.kernels.cases import PRIMITIVES, Case, build_case
-from engine.kernels.compare import Tolerance
-from engine.kernels.gate import evaluate, plan
-from engine.kernels.registry import FORMAT, RegistryError, load_registry, parse_registry
+from engine.kernels.driver import plan
+from engine.kernels.registry import FORMAT, RegistryError, Tolerance, load_registry, parse_registry
+from gates.lib.kernels import evaluate
 
 BASE = {
     "format": FORMAT,

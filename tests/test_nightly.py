@@ -1,4 +1,4 @@
-"""The nightly runner (reports/nightly.py, reports/history.py, reports/trends.py, `ds41gate nightly`).
+"""The nightly runner (nightly/runner.py, nightly/history.py, nightly/trends.py, `ds41gate nightly`).
 
 Fast tests use a fake runner or the stand-in gate suite tests/data/nightly/fake_gate.py (real pytest
 subprocesses through the real plugin, no engine). The engine test at the end runs the whole flow on vLLM CPU.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from reports import history as H
-from reports import nightly as N
+from nightly import history as H
+from nightly import runner as N
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_GATE = "tests/data/nightly/fake_gate.py"
@@ -42,7 +42,7 @@ env = {{ FAKE_GATE_MODE = "{mode}" }}
 def test_config_matrix_and_cells(tmp_path):
     (tmp_path / "inj.toml").write_text("")
     cfg = N.parse_config({
-        "nightly": {"name": "n", "registry": ["gates/flags-vllm-cpu.toml"], "regression": {"alpha": 0.01}},
+        "nightly": {"name": "n", "registry": ["nightly/flags-vllm-cpu.toml"], "regression": {"alpha": 0.01}},
         "matrix": {"profiles": ["vllm-cpu-fp32", "vllm-cpu-bf16"], "flag_sets": [[], ["no_prefix_cache"]]},
         "cells": [{"name": "inj", "profile": "inj.toml", "flags": ["a"], "gates": ["gates/test_kl_panel.py"]}],
     }, "n.toml", tmp_path)
@@ -52,7 +52,7 @@ def test_config_matrix_and_cells(tmp_path):
     argv = N.cell_argv(cfg, cfg.cells[1], tmp_path / "c")
     assert argv[argv.index("--engine-profile") + 1] == "vllm-cpu-fp32"
     assert argv[argv.index("--flag") + 1] == "no_prefix_cache" and "--per-prompt-metrics" in argv
-    assert argv[argv.index("--flag-registry") + 1] == str(REPO / "gates/flags-vllm-cpu.toml")
+    assert argv[argv.index("--flag-registry") + 1] == str(REPO / "nightly/flags-vllm-cpu.toml")
     assert argv[3:5] == list(N.DEFAULT_GATES)
     assert N.cell_argv(cfg, cfg.cells[-1], tmp_path)[3] == "gates/test_kl_panel.py"
 
@@ -211,7 +211,9 @@ def test_nightly_cli_dry_run_and_bad_config(tmp_path):
 
 
 def test_shipped_nightly_configs_parse():
-    for p in sorted((REPO / "nightly").glob("*.toml")):
+    configs = sorted((REPO / "nightly" / "configs").glob("*.toml"))
+    assert {p.name for p in configs} >= {"cpu-smoke.toml", "full.toml"}
+    for p in configs:
         cfg = N.load_config(p)
         for c in cfg.cells:
             if c.profile.endswith(".toml"):
@@ -223,14 +225,14 @@ def test_shipped_nightly_configs_parse():
 @pytest.mark.engine
 @pytest.mark.slow
 def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
-    """The whole flow on vLLM CPU (4 launches): nightly/cpu-smoke.toml is green (KL panel + the exact flag
+    """The whole flow on vLLM CPU (4 launches): nightly/configs/cpu-smoke.toml is green (KL panel + the exact flag
     no_prefix_cache bit-identical); then tonight's build (the flag now also switches to bf16) is a
     regression against that green baseline, named, exit 1; `ds41gate flags` shows the flag's new FAIL."""
     from ds41gates.cli import app
 
     db, out = tmp_path / "history.sqlite", tmp_path / "runs"
     runner = CliRunner()
-    green = runner.invoke(app, ["nightly", str(REPO / "nightly/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
+    green = runner.invoke(app, ["nightly", str(REPO / "nightly/configs/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
     run1 = H.runs(db)[0]
     cell1 = H.load_cell(db, run1.id, "cpu-fp32")
     assert green.exit_code == 0, green.output + (Path(cell1.results_dir) / "pytest.log").read_text()[-4000:]
@@ -254,6 +256,6 @@ def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     run2 = H.runs(db)[0]
     assert run2.status == "regression" and (Path(run2.out_dir) / "trends" / "gates.png").exists()
 
-    listed = runner.invoke(app, ["flags", "-r", str(REPO / "gates/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
+    listed = runner.invoke(app, ["flags", "-r", str(REPO / "nightly/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
     verdict = {r["name"]: r["last_verdict"] for r in json.loads(listed.output)}["no_prefix_cache"]
     assert verdict["run_id"] == run2.id and verdict["passed"] is False
