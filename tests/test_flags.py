@@ -224,6 +224,38 @@ def test_paired_not_worse_and_regression_rule():
         0.5, 0.3, 0.01, 1.0, 1.0, 0.05, 0.05)[2])
 
 
+def test_paired_series_is_cores_paired_comparison_on_stored_series():
+    """The nightly's run-vs-baseline statistics on per-prompt series equal core's paired comparison of the
+    records those series came from (same prompt bootstrap draws, same Wilcoxon)."""
+    rng = np.random.default_rng(4)
+    ref, eng_a, _ = pair_of_records(rng, n_seq=15, length=10, vocab=40, noise=0.2)
+    rng = np.random.default_rng(4)
+    _, eng_b, _ = pair_of_records(rng, n_seq=15, length=10, vocab=40, noise=0.5)
+    pa, pb = metrics.position_metrics(ref, eng_a), metrics.position_metrics(ref, eng_b)
+    core_pc = metrics.paired_comparison(pa, pb)
+    keep = np.isfinite(pa.kl_part) & np.isfinite(pb.kl_part) & ~pa.ambiguous & ~pb.ambiguous
+    series = [metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], 15) for pm in (pa, pb)]
+    base, cur = ([None if np.isnan(x) else float(x) for x in s] for s in series)
+    ours = ab.paired_series(base, cur)
+    assert ours.n_prompts == core_pc.n_prompts == 15 and ours.wilcoxon_p == core_pc.wilcoxon_p
+    for name in ("mean_a", "mean_b", "mean_diff", "ci_low", "ci_high"):
+        assert getattr(ours, name) == pytest.approx(getattr(core_pc, name), rel=1e-12, abs=1e-15), name
+
+
+def test_paired_series_worked_example_and_errors():
+    from scipy import stats
+
+    pc = ab.paired_series([1.0, 2.0, 3.0, None, 4.0], [2.0, 2.0, 5.0, 7.0, None])
+    assert (pc.n_prompts, pc.mean_a, pc.mean_b, pc.mean_diff) == (3, 2.0, 3.0, 1.0)
+    assert 0.0 <= pc.ci_low <= 1.0 <= pc.ci_high <= 2.0          # resampled means of d = (1, 0, 2)
+    assert pc.wilcoxon_p == pytest.approx(stats.wilcoxon([1.0, 0.0, 2.0]).pvalue)
+    flat = ab.paired_series([0.5, 0.5], [0.5, 0.5])
+    assert flat.wilcoxon_p == 1.0 and flat.ci_low == flat.ci_high == 0.0
+    assert ab.paired_series([None], [1.0]).n_prompts == 0
+    with pytest.raises(ValueError, match="panel changed"):
+        ab.paired_series([1.0], [1.0, 2.0])
+
+
 def test_speed_verdict():
     th = Thresholds(speed_tolerance=0.1)
     assert ab.speed_verdict([100, 102, 98], [95, 93, 97], th).passed          # 5 % slower: within tolerance

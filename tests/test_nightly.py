@@ -112,6 +112,35 @@ def test_cell_metrics_from_results():
     assert by["kl_part_prompt_mean[p]"].value == pytest.approx(2e-6) and by["kl_part_prompt_mean[p]"].per_prompt[1] is None
 
 
+def test_per_prompt_metrics_are_per_sequence_means_of_finite_unambiguous_kl():
+    import numpy as np
+
+    from core import metrics
+    from tests.recordkit import pair_of_records
+
+    ref, eng, _ = pair_of_records(np.random.default_rng(2), n_seq=4, length=9, vocab=30, noise=0.4)
+    out = N.per_prompt_metrics(ref, [("e", eng)])
+    assert out["format"] == N.PER_PROMPT_FORMAT and out["seq_ids"] == list(ref.seq_ids)
+    pm = metrics.position_metrics(ref, eng)
+    for i, got in enumerate(out["engines"]["e"]["kl_part"]):
+        vals = [k for k, s, amb in zip(pm.kl_part, pm.seq, pm.ambiguous) if s == i and np.isfinite(k) and not amb]
+        assert got == pytest.approx(sum(vals) / len(vals), rel=1e-12)
+    assert out["engines"]["e"]["hard_fails"] == int(np.sum(~np.isfinite(pm.kl_part)))
+
+
+def test_floors_below_nightly_never_import_it():
+    import ast
+
+    offenders = []
+    for floor in ("core", "panels", "oracle", "engine", "reports"):
+        for path in sorted((REPO / floor).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("nightly", "gates")]
+    assert not offenders
+
+
 # ------------------------------------------------------------------------------------------ history
 
 def test_history_roundtrip_and_baseline(tmp_path):
@@ -238,8 +267,8 @@ def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     assert green.exit_code == 0, green.output + (Path(cell1.results_dir) / "pytest.log").read_text()[-4000:]
     gates1 = {g.gate.split("::")[-1]: g.outcome for g in cell1.gates}
     assert gates1 == {"test_kl_panel_per_domain": "passed", "test_flag_registered[no_prefix_cache]": "passed",
-                      "test_flag_gate[no_prefix_cache-bitwise_panel]": "passed",
-                      "test_flag_gate[no_prefix_cache-bitwise_greedy]": "passed"}
+                      "test_bitwise_panel[no_prefix_cache]": "passed",
+                      "test_bitwise_greedy[no_prefix_cache]": "passed"}
     metrics1 = {m.name: m for m in cell1.metrics}
     assert metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].value < 1e-4
     # exact flag: the on-record is bit-identical, hence the same per-prompt KL
@@ -249,8 +278,8 @@ def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     injected = runner.invoke(app, ["nightly", str(REPO / "tests/data/nightly/cpu-injected.toml"), "--db", str(db),
                                    "--out", str(out)])
     assert injected.exit_code == N.EXIT_REGRESSION, injected.output
-    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_panel]" in injected.output
-    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_greedy]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_panel[no_prefix_cache]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_greedy[no_prefix_cache]" in injected.output
     assert "[regression] cpu-fp32 :: kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]" in injected.output
     assert "test_kl_panel_per_domain" not in injected.output      # the flag-off engine did not change
     run2 = H.runs(db)[0]
