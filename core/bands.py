@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.metrics import GroupReport, PanelMetrics
+from core.tomlfile import read_toml
 
 
 class BandsError(ValueError):
@@ -48,10 +48,7 @@ class PanelVerdict:
 
 def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise BandsError(f"{path}: cannot read bands ({exc})") from exc
+    data = read_toml(path, "bands file", BandsError)
     profiles = data.get("profiles", {})
     table = profiles.get(profile) or profiles.get("default")
     if table is None:

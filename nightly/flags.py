@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from nightly.tomlfile import read_toml
+from core.tomlfile import read_toml
 
 DEFAULT_REGISTRY = Path(__file__).resolve().parent / "flags.toml"
 ENV_REGISTRY = "DS41_FLAG_REGISTRY"

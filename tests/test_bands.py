@@ -41,3 +41,12 @@ def test_bad_bands_file_names_the_problem(tmp_path):
     path.write_text("[profiles.x.default]\nkl_mean = 1\nbogus = 2\n")
     with pytest.raises(BandsError, match="profiles.x.default"):
         load_bands("x", path)
+
+
+def test_missing_or_malformed_bands_file_is_named(tmp_path):
+    with pytest.raises(BandsError, match=r"bands file .*absent.toml does not exist"):
+        load_bands("x", tmp_path / "absent.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[profiles.x\n")
+    with pytest.raises(BandsError, match=r"bands file .*broken.toml: cannot read"):
+        load_bands("x", broken)

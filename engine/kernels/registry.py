@@ -5,9 +5,10 @@ raises ``RegistryError`` naming the file, the entry and the field."""
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from core.tomlfile import read_toml
 
 FORMAT = "ds41-kernel-registry/1"
 DEVICES = ("cpu", "gpu-only")
@@ -190,11 +191,4 @@ def parse_registry(doc: dict, path: str = "<registry>") -> Registry:
 
 
 def load_registry(path: str | Path = DEFAULT_PATH) -> Registry:
-    path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise RegistryError(f"kernel registry not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise RegistryError(f"{path}: not valid TOML: {e}") from None
-    return parse_registry(doc, str(path))
+    return parse_registry(read_toml(path, "kernel registry", RegistryError), str(path))
