@@ -38,14 +38,6 @@ def gate_config() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def bands_file() -> Path:
-    """The KL panel pass bands per profile (gates.md §3)."""
-    from gates import BANDS_FILE
-
-    return BANDS_FILE
-
-
-@pytest.fixture(scope="session")
 def gate_tokenizer():
     """The served model's tokenizer and chat format (SmolLM2's by default: the ids the gates send)."""
     from engine.models import default_model_dir

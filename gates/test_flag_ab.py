@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from gates import BANDS_FILE
 from gates.lib import flag_ab as verdicts
 from nightly import flag_ab as stats
 from nightly.flags import FlagRegistryError, check_profile, load_registry
@@ -176,11 +177,11 @@ def test_bitwise_greedy(entry, off_greedy, on_greedy, ab_results, gate_results, 
 
 
 @guards("kl_band")
-def test_kl_band(entry, panel_reference, on_record, bands_file, ab_results, gate_results, engine_endpoint):
+def test_kl_band(entry, panel_reference, on_record, ab_results, gate_results, engine_endpoint):
     from core.verdicts import judge
 
     band = entry.thresholds.band_profile or engine_endpoint.profile
-    _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", bands_file)
+    _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", BANDS_FILE)
     gate_results.panel_gates.append(pg)
     verdict = verdicts.band_verdict(pg.passed, pg.failures, band, pg.summary)
     _settle("kl_band", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
