@@ -60,9 +60,9 @@ import numpy as np
 from core import metrics
 from core.atomic import atomic_write_text
 from core.paths import repo_root
+from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
-from core.tomlfile import read_toml
 from nightly.trends import plot_trends
 
 REPO_ROOT = repo_root()

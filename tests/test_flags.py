@@ -17,7 +17,7 @@ from core.records import Record
 from engine.adapters.base import Generation, PositionLogprobs
 from engine.launcher import load_profile, parse_profile
 from nightly import flag_ab as ab
-from nightly.flags import (CLASS_GATES, DEFAULT_REGISTRY, FlagRegistryError, Thresholds, ValueSpec, check_profile,
+from nightly.flags import (CLASS_GATES, FlagRegistryError, Thresholds, ValueSpec, check_profile,
                            lane_of, load_registry, load_registry_file, parse_registry)
 from tests.recordkit import pair_of_records, provenance, sequence_from_full
 

@@ -7,7 +7,6 @@ subprocesses through the real plugin, no engine). The engine test at the end run
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from pathlib import Path
 
