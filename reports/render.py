@@ -36,7 +36,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -45,6 +44,7 @@ import jinja2
 import numpy as np
 
 from core import metrics
+from core.atomic import atomic_write_text
 from core.records import Record
 
 REPORT_FORMAT = "ds41-report/1"
@@ -380,16 +380,7 @@ def render_html(data: dict, plots: Mapping[str, str]) -> str:
 
 def write_text_atomic(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
     return path
 
 
