@@ -1,16 +1,16 @@
-"""Pass bands and the per-domain verdict of the KL panel gate (gates.md §3, "Pass rule")."""
+"""Pass bands and the per-domain verdict of the KL panel gate (gates.md §3, "Pass rule").
+
+The bands file belongs to whoever gates (the gate suite ships gates/bands.toml); callers pass its path."""
 
 from __future__ import annotations
 
 import math
-import tomllib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.metrics import GroupReport, PanelMetrics
-from core.paths import repo_root
-
-DEFAULT_BANDS_FILE = repo_root() / "gates" / "bands.toml"
+from core.tomlfile import read_toml
 
 
 class BandsError(ValueError):
@@ -46,12 +46,9 @@ class PanelVerdict:
                 for d in self.domains]
 
 
-def load_bands(profile: str, path: Path | None = None) -> dict[str, Band]:
-    path = Path(path or DEFAULT_BANDS_FILE)
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise BandsError(f"{path}: cannot read bands ({exc})") from exc
+def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
+    path = Path(path)
+    data = read_toml(path, "bands file", BandsError)
     profiles = data.get("profiles", {})
     table = profiles.get(profile) or profiles.get("default")
     if table is None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from core import metrics
@@ -21,7 +21,8 @@ class PanelGateResult:
     summary: dict[str, Any]
 
 
-def judge(ref: Record, eng: Record, profile: str, label: str, bands_file: Path | None = None):
+def judge(ref: Record, eng: Record, profile: str, label: str, bands_file: str | os.PathLike):
+    """The KL panel verdict of ``eng`` against ``ref`` under ``profile``'s bands in ``bands_file``."""
     if set(eng.seq_ids) != set(ref.seq_ids):
         ref = ref.subset(eng.seq_ids)  # a text-only engine's record names what it left out
     result = metrics.panel_metrics(ref, eng)

@@ -29,8 +29,8 @@ SUB_APPS = [
     ("panels.cli", "panel_app", "panel"),
     ("oracle.cli", "oracle_app", "oracle"),
     ("reports.cli", "report_app", "report"),
-    ("gates.flags_cli", "flags_app", "flags"),
-    ("gates.nightly_cli", "nightly_app", "nightly"),
+    ("nightly.cli", "flags_app", "flags"),
+    ("nightly.cli", "nightly_app", "nightly"),
     ("ds41gates.demo", "demo_app", "demo"),
 ]
 

@@ -9,6 +9,7 @@ import typer
 
 from core.verdicts import judge
 from ds41gates import pipeline
+from gates import BANDS_FILE
 from engine.endpoint import DEFAULT_ENGINE_K, DEFAULT_PROFILE, endpoint_for_server, score_engine
 
 
@@ -37,7 +38,7 @@ def demo_app(
         with EngineServer(prof) as server:
             eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
-        _, gate = judge(ref, eng, prof.name, prof.name)
+        _, gate = judge(ref, eng, prof.name, prof.name, BANDS_FILE)
         engines.append((prof.name, eng))
         gates.append(gate)
 

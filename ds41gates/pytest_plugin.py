@@ -293,10 +293,10 @@ def _outcomes_section(run: GateRun) -> dict:
     return {"rows": rows, "note": note}
 
 
-# ============================================================================ flag A/B + nightly (issue 6)
-# Owned by the flag-registry work: options --flag-registry, --per-prompt-metrics, --ab-*; the
-# `flag_registry` fixture; `flag_ab` items are deselected when no --flag is given (so the gate suite
-# without flags neither runs nor skips them); per_prompt.json for the nightly's paired comparisons.
+# ============================================================================ flag A/B + nightly
+# Options --flag-registry, --per-prompt-metrics, --ab-*; the `flag_registry` fixture; `flag_ab` items are
+# deselected when no --flag is given (so the gate suite without flags neither runs nor skips them);
+# per_prompt.json for the nightly's paired comparisons. The code behind them lives in the nightly package.
 
 MARKERS["flag_ab"] = "per-flag A/B gates (gates/test_flag_ab.py); deselected unless --flag is given"
 
@@ -304,7 +304,7 @@ MARKERS["flag_ab"] = "per-flag A/B gates (gates/test_flag_ab.py); deselected unl
 def _flag_ab_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ds41-gates flag A/B")
     group.addoption("--flag-registry", action="append", default=[],
-                    help="extra flag registry TOML merged over gates/flags.toml (repeatable; also "
+                    help="extra flag registry TOML merged over nightly/flags.toml (repeatable; also "
                          "$DS41_FLAG_REGISTRY, os.pathsep-separated)")
     group.addoption("--ab-greedy-tokens", type=int, default=64, help="greedy tokens per prompt in the A/B")
     group.addoption("--ab-prompts-per-domain", type=int, default=1, help="greedy A/B prompts per panel domain")
@@ -321,12 +321,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the
     _flag_ab_addoption(parser)
 
 
+def _needed_by_no_flag(item: pytest.Item) -> bool:
+    """An A/B gate that none of the requested flags' classes runs: pytest made it from an empty parameter set."""
+    return any(str(m.kwargs.get("reason", "")).startswith("got empty parameter set") for m in item.iter_markers("skip"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    if config.getoption("--flag"):
-        return
+    flags = config.getoption("--flag")
     keep, drop = [], []
     for item in items:
-        (drop if item.get_closest_marker("flag_ab") else keep).append(item)
+        unwanted = item.get_closest_marker("flag_ab") and (not flags or _needed_by_no_flag(item))
+        (drop if unwanted else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -334,7 +339,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 
 @pytest.fixture(scope="session")
 def flag_registry(request: pytest.FixtureRequest):
-    from engine.flags import load_registry
+    from nightly.flags import load_registry
 
     return load_registry(request.config.getoption("--flag-registry"))
 
@@ -343,18 +348,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     run = getattr(config, "_ds41_gate_run", None)
     if run is None or run.reference is None or not run.engines or not config.getoption("--per-prompt-metrics"):
         return
-    import numpy as np
-
-    from core import metrics
     from core.atomic import write_json_atomic
+    from nightly.runner import per_prompt_metrics
 
-    ref = run.reference
-    out = {"format": "ds41-per-prompt/1", "seq_ids": list(ref.seq_ids), "domains": list(ref.domains), "engines": {}}
-    for label, rec in run.engines:
-        pm = metrics.position_metrics(ref, rec)
-        keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
-        means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(ref.seq_ids))
-        out["engines"][label] = {"kl_part": [None if not np.isfinite(m) else float(m) for m in means],
-                                 "hard_fails": int(np.sum(~np.isfinite(pm.kl_part)))}
-    write_json_atomic(run.out_dir / "per_prompt.json", out)
+    write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
 # ============================================================================ end flag A/B + nightly

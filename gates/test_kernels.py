@@ -10,13 +10,14 @@ Results (max abs / rel error, ULP statistics, wall times) go to kernels.json in 
 
 from __future__ import annotations
 
-
 import pytest
 
+from core.atomic import write_json_atomic
 from core.paths import cache_dir
 from engine.kernels.cases import PRIMITIVES
-from engine.kernels.gate import KernelGateError, run_kernel_gate, write_results
+from engine.kernels.driver import KernelGateError, run_cases
 from engine.kernels.registry import load_registry
+from gates.lib.kernels import evaluate, results_document
 
 pytestmark = pytest.mark.gate
 
@@ -28,8 +29,6 @@ GATED = [(e, s) for e in REGISTRY.for_engine(ENGINE, include_test_only=False) if
 TEST_ONLY = [e for e in REGISTRY.for_engine(ENGINE) if e.test_only and e.runnable_on_cpu]
 
 
-
-
 @pytest.fixture(scope="module")
 def kernel_run(request, gate_results):
     python = REGISTRY.engines[ENGINE].resolved_python(cache_dir())
@@ -37,10 +36,12 @@ def kernel_run(request, gate_results):
         pytest.skip(f"engine environment {ENGINE!r} not built: {python} missing (scripts/setup-vllm.sh)")
     out = gate_results.out_dir
     try:
-        results, info = run_kernel_gate(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
+        runs, info = run_cases(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
     except KernelGateError as e:
         pytest.fail(str(e))
-    path = write_results(out / "kernels.json", results, info)
+    results = [evaluate(r.entry, r.case, r.outputs, r.report) for r in runs]
+    path = out / "kernels.json"
+    write_json_atomic(path, results_document(results, info))
     gate_results.add("kernels", {"cases": len(results), "runner_s": info["runner_s"], "file": str(path)})
     print(f"\nkernel gate: {len(results)} cases, runner {info['runner_s']:.1f} s -> {path}")
     return {(r.kernel, r.shape): r for r in results}

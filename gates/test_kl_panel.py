@@ -7,13 +7,14 @@ profile's bands (gates/bands.toml), and no infinite position. Guards every `nume
 import pytest
 
 from core.verdicts import judge
+from gates import BANDS_FILE
 
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
 def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results):
     result, gate = judge(panel_reference, panel_engine_record, engine_endpoint.profile,
-                         label=engine_endpoint.profile)
+                         label=engine_endpoint.profile, bands_file=BANDS_FILE)
     gate_results.panel_gates.append(gate)
     gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
                                   "summary": gate.summary, "metrics": result.as_dict()})

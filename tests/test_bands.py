@@ -3,6 +3,7 @@ import pytest
 
 from core import metrics
 from core.bands import Band, BandsError, judge_panel, load_bands
+from gates import BANDS_FILE
 from tests.recordkit import pair_of_records
 
 
@@ -32,7 +33,7 @@ def test_domain_specific_band_overrides_default():
 
 def test_shipped_bands_file_parses_for_every_profile():
     for profile in ("vllm-cpu-fp32", "vllm-cpu-bf16", "llamacpp-f32", "llamacpp-q4_1", "some-unknown-engine"):
-        assert "default" in load_bands(profile)
+        assert "default" in load_bands(profile, BANDS_FILE)
 
 
 def test_bad_bands_file_names_the_problem(tmp_path):
@@ -40,3 +41,12 @@ def test_bad_bands_file_names_the_problem(tmp_path):
     path.write_text("[profiles.x.default]\nkl_mean = 1\nbogus = 2\n")
     with pytest.raises(BandsError, match="profiles.x.default"):
         load_bands("x", path)
+
+
+def test_missing_or_malformed_bands_file_is_named(tmp_path):
+    with pytest.raises(BandsError, match=r"bands file .*absent.toml does not exist"):
+        load_bands("x", tmp_path / "absent.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[profiles.x\n")
+    with pytest.raises(BandsError, match=r"bands file .*broken.toml: cannot read"):
+        load_bands("x", broken)

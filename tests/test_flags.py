@@ -1,4 +1,4 @@
-"""Flag registry (engine/flags.py), A/B verdicts (engine/flag_ab.py) and `ds41gate flags` — no engine needed."""
+"""Flag registry (nightly/flags.py), A/B statistics (nightly/flag_ab.py) and `ds41gate flags` — no engine needed."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from typer.testing import CliRunner
 
 from core import metrics
 from core.records import Record
-from engine import flag_ab as ab
 from engine.adapters.base import Generation, PositionLogprobs
-from engine.flags import (CLASS_GATES, DEFAULT_REGISTRY, FlagRegistryError, Thresholds, ValueSpec, check_profile,
-                          lane_of, load_registry, load_registry_file, parse_registry)
 from engine.launcher import load_profile, parse_profile
+from nightly import flag_ab as ab
+from nightly.flags import (CLASS_GATES, FlagRegistryError, Thresholds, ValueSpec, check_profile,
+                           lane_of, load_registry, load_registry_file, parse_registry)
 from tests.recordkit import pair_of_records, provenance, sequence_from_full
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_REGISTRY = REPO / "gates" / "flags-vllm-cpu.toml"
+CPU_REGISTRY = REPO / "nightly" / "flags-vllm-cpu.toml"
 SHARED = REPO.parent / "shared"  # the team's shared docs sit beside the checkout (CI copies them there too)
 SEED_FLAGS = ["VLLM_DS41_MOE_EXL3_PLAN", "VLLM_DS41_MOE_EXL3_GROUP_MIN_TOKENS", "VLLM_DS41_BATCH_INVARIANT_GEMM",
               "VLLM_DS41_ATTN_GRAPH", "VLLM_DS41_BUILDER_GRAPHS", "VLLM_DS41_HC_FUSED", "VLLM_DS41_HC_NORM_EXACT"]
@@ -222,6 +222,38 @@ def test_paired_not_worse_and_regression_rule():
     assert ab.regression_rule(0.5, 0.3, 0.01, 1.0, 0.0, 0.05, 0.05)[1] == pytest.approx(0.05)
     assert ab.regression_rule(0.5, 0.3, 0.01, 1.0, 1.0, 0.05, 0.05) == (False, 1.0, ab.regression_rule(
         0.5, 0.3, 0.01, 1.0, 1.0, 0.05, 0.05)[2])
+
+
+def test_paired_series_is_cores_paired_comparison_on_stored_series():
+    """The nightly's run-vs-baseline statistics on per-prompt series equal core's paired comparison of the
+    records those series came from (same prompt bootstrap draws, same Wilcoxon)."""
+    rng = np.random.default_rng(4)
+    ref, eng_a, _ = pair_of_records(rng, n_seq=15, length=10, vocab=40, noise=0.2)
+    rng = np.random.default_rng(4)
+    _, eng_b, _ = pair_of_records(rng, n_seq=15, length=10, vocab=40, noise=0.5)
+    pa, pb = metrics.position_metrics(ref, eng_a), metrics.position_metrics(ref, eng_b)
+    core_pc = metrics.paired_comparison(pa, pb)
+    keep = np.isfinite(pa.kl_part) & np.isfinite(pb.kl_part) & ~pa.ambiguous & ~pb.ambiguous
+    series = [metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], 15) for pm in (pa, pb)]
+    base, cur = ([None if np.isnan(x) else float(x) for x in s] for s in series)
+    ours = ab.paired_series(base, cur)
+    assert ours.n_prompts == core_pc.n_prompts == 15 and ours.wilcoxon_p == core_pc.wilcoxon_p
+    for name in ("mean_a", "mean_b", "mean_diff", "ci_low", "ci_high"):
+        assert getattr(ours, name) == pytest.approx(getattr(core_pc, name), rel=1e-12, abs=1e-15), name
+
+
+def test_paired_series_worked_example_and_errors():
+    from scipy import stats
+
+    pc = ab.paired_series([1.0, 2.0, 3.0, None, 4.0], [2.0, 2.0, 5.0, 7.0, None])
+    assert (pc.n_prompts, pc.mean_a, pc.mean_b, pc.mean_diff) == (3, 2.0, 3.0, 1.0)
+    assert 0.0 <= pc.ci_low <= 1.0 <= pc.ci_high <= 2.0          # resampled means of d = (1, 0, 2)
+    assert pc.wilcoxon_p == pytest.approx(stats.wilcoxon([1.0, 0.0, 2.0]).pvalue)
+    flat = ab.paired_series([0.5, 0.5], [0.5, 0.5])
+    assert flat.wilcoxon_p == 1.0 and flat.ci_low == flat.ci_high == 0.0
+    assert ab.paired_series([None], [1.0]).n_prompts == 0
+    with pytest.raises(ValueError, match="panel changed"):
+        ab.paired_series([1.0], [1.0, 2.0])
 
 
 def test_speed_verdict():

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kernels.compare import Tolerance, error_stats, ulp_distance
+from engine.kernels.registry import Tolerance
 from engine.kernels.runner import pack_fp8_ds_mla, perturb, unpack_fp8_ds_mla
+from gates.lib.kernels import error_stats, ulp_distance
 
 
 def _steps_f32(a: np.float32, k: int, direction: float) -> np.float32:

@@ -1,4 +1,4 @@
-"""The nightly runner (reports/nightly.py, reports/history.py, reports/trends.py, `ds41gate nightly`).
+"""The nightly runner (nightly/runner.py, nightly/history.py, nightly/trends.py, `ds41gate nightly`).
 
 Fast tests use a fake runner or the stand-in gate suite tests/data/nightly/fake_gate.py (real pytest
 subprocesses through the real plugin, no engine). The engine test at the end runs the whole flow on vLLM CPU.
@@ -7,15 +7,14 @@ subprocesses through the real plugin, no engine). The engine test at the end run
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from reports import history as H
-from reports import nightly as N
+from nightly import history as H
+from nightly import runner as N
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_GATE = "tests/data/nightly/fake_gate.py"
@@ -42,7 +41,7 @@ env = {{ FAKE_GATE_MODE = "{mode}" }}
 def test_config_matrix_and_cells(tmp_path):
     (tmp_path / "inj.toml").write_text("")
     cfg = N.parse_config({
-        "nightly": {"name": "n", "registry": ["gates/flags-vllm-cpu.toml"], "regression": {"alpha": 0.01}},
+        "nightly": {"name": "n", "registry": ["nightly/flags-vllm-cpu.toml"], "regression": {"alpha": 0.01}},
         "matrix": {"profiles": ["vllm-cpu-fp32", "vllm-cpu-bf16"], "flag_sets": [[], ["no_prefix_cache"]]},
         "cells": [{"name": "inj", "profile": "inj.toml", "flags": ["a"], "gates": ["gates/test_kl_panel.py"]}],
     }, "n.toml", tmp_path)
@@ -52,7 +51,7 @@ def test_config_matrix_and_cells(tmp_path):
     argv = N.cell_argv(cfg, cfg.cells[1], tmp_path / "c")
     assert argv[argv.index("--engine-profile") + 1] == "vllm-cpu-fp32"
     assert argv[argv.index("--flag") + 1] == "no_prefix_cache" and "--per-prompt-metrics" in argv
-    assert argv[argv.index("--flag-registry") + 1] == str(REPO / "gates/flags-vllm-cpu.toml")
+    assert argv[argv.index("--flag-registry") + 1] == str(REPO / "nightly/flags-vllm-cpu.toml")
     assert argv[3:5] == list(N.DEFAULT_GATES)
     assert N.cell_argv(cfg, cfg.cells[-1], tmp_path)[3] == "gates/test_kl_panel.py"
 
@@ -110,6 +109,35 @@ def test_cell_metrics_from_results():
     assert by["kl_panel.kl_part_mean"].value == 1e-6 and by["kl_panel.ppl_ratio"].value is None
     assert by["flag_ab.f.speed.ratio"].value == 0.9
     assert by["kl_part_prompt_mean[p]"].value == pytest.approx(2e-6) and by["kl_part_prompt_mean[p]"].per_prompt[1] is None
+
+
+def test_per_prompt_metrics_are_per_sequence_means_of_finite_unambiguous_kl():
+    import numpy as np
+
+    from core import metrics
+    from tests.recordkit import pair_of_records
+
+    ref, eng, _ = pair_of_records(np.random.default_rng(2), n_seq=4, length=9, vocab=30, noise=0.4)
+    out = N.per_prompt_metrics(ref, [("e", eng)])
+    assert out["format"] == N.PER_PROMPT_FORMAT and out["seq_ids"] == list(ref.seq_ids)
+    pm = metrics.position_metrics(ref, eng)
+    for i, got in enumerate(out["engines"]["e"]["kl_part"]):
+        vals = [k for k, s, amb in zip(pm.kl_part, pm.seq, pm.ambiguous) if s == i and np.isfinite(k) and not amb]
+        assert got == pytest.approx(sum(vals) / len(vals), rel=1e-12)
+    assert out["engines"]["e"]["hard_fails"] == int(np.sum(~np.isfinite(pm.kl_part)))
+
+
+def test_floors_below_nightly_never_import_it():
+    import ast
+
+    offenders = []
+    for floor in ("core", "panels", "oracle", "engine", "reports"):
+        for path in sorted((REPO / floor).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("nightly", "gates")]
+    assert not offenders
 
 
 # ------------------------------------------------------------------------------------------ history
@@ -211,7 +239,9 @@ def test_nightly_cli_dry_run_and_bad_config(tmp_path):
 
 
 def test_shipped_nightly_configs_parse():
-    for p in sorted((REPO / "nightly").glob("*.toml")):
+    configs = sorted((REPO / "nightly" / "configs").glob("*.toml"))
+    assert {p.name for p in configs} >= {"cpu-smoke.toml", "full.toml"}
+    for p in configs:
         cfg = N.load_config(p)
         for c in cfg.cells:
             if c.profile.endswith(".toml"):
@@ -223,21 +253,21 @@ def test_shipped_nightly_configs_parse():
 @pytest.mark.engine
 @pytest.mark.slow
 def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
-    """The whole flow on vLLM CPU (4 launches): nightly/cpu-smoke.toml is green (KL panel + the exact flag
+    """The whole flow on vLLM CPU (4 launches): nightly/configs/cpu-smoke.toml is green (KL panel + the exact flag
     no_prefix_cache bit-identical); then tonight's build (the flag now also switches to bf16) is a
     regression against that green baseline, named, exit 1; `ds41gate flags` shows the flag's new FAIL."""
     from ds41gates.cli import app
 
     db, out = tmp_path / "history.sqlite", tmp_path / "runs"
     runner = CliRunner()
-    green = runner.invoke(app, ["nightly", str(REPO / "nightly/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
+    green = runner.invoke(app, ["nightly", str(REPO / "nightly/configs/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
     run1 = H.runs(db)[0]
     cell1 = H.load_cell(db, run1.id, "cpu-fp32")
     assert green.exit_code == 0, green.output + (Path(cell1.results_dir) / "pytest.log").read_text()[-4000:]
     gates1 = {g.gate.split("::")[-1]: g.outcome for g in cell1.gates}
     assert gates1 == {"test_kl_panel_per_domain": "passed", "test_flag_registered[no_prefix_cache]": "passed",
-                      "test_flag_gate[no_prefix_cache-bitwise_panel]": "passed",
-                      "test_flag_gate[no_prefix_cache-bitwise_greedy]": "passed"}
+                      "test_bitwise_panel[no_prefix_cache]": "passed",
+                      "test_bitwise_greedy[no_prefix_cache]": "passed"}
     metrics1 = {m.name: m for m in cell1.metrics}
     assert metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].value < 1e-4
     # exact flag: the on-record is bit-identical, hence the same per-prompt KL
@@ -247,13 +277,13 @@ def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     injected = runner.invoke(app, ["nightly", str(REPO / "tests/data/nightly/cpu-injected.toml"), "--db", str(db),
                                    "--out", str(out)])
     assert injected.exit_code == N.EXIT_REGRESSION, injected.output
-    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_panel]" in injected.output
-    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_flag_gate[no_prefix_cache-bitwise_greedy]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_panel[no_prefix_cache]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_greedy[no_prefix_cache]" in injected.output
     assert "[regression] cpu-fp32 :: kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]" in injected.output
     assert "test_kl_panel_per_domain" not in injected.output      # the flag-off engine did not change
     run2 = H.runs(db)[0]
     assert run2.status == "regression" and (Path(run2.out_dir) / "trends" / "gates.png").exists()
 
-    listed = runner.invoke(app, ["flags", "-r", str(REPO / "gates/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
+    listed = runner.invoke(app, ["flags", "-r", str(REPO / "nightly/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
     verdict = {r["name"]: r["last_verdict"] for r in json.loads(listed.output)}["no_prefix_cache"]
     assert verdict["run_id"] == run2.id and verdict["passed"] is False

@@ -1,15 +1,14 @@
 """The kernel registry (``registry.toml``): which engine function implements which oracle primitive, how to
-call it, which VLLM_DS41_* flag switches it, and per-output tolerances. Parsing is strict: every problem
+call it, which VLLM_DS41_* flag switches it, and per-output tolerances (the gate's verdict applies them: gates/lib/kernels.py). Parsing is strict: every problem
 raises ``RegistryError`` naming the file, the entry and the field."""
 
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .compare import Tolerance
+from core.tomlfile import read_toml
 
 FORMAT = "ds41-kernel-registry/1"
 DEVICES = ("cpu", "gpu-only")
@@ -21,6 +20,24 @@ DEFAULT_PATH = Path(__file__).with_name("registry.toml")
 
 class RegistryError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Per-output tolerance. ``exact``: every element bit-identical to the oracle rounded to the output
+    dtype. Otherwise an element passes when its ULP distance (in the output dtype) is <= ``max_ulp`` or its
+    absolute error is <= ``atol`` or <= ``row_rtol`` times the largest |oracle| value of its row (the last
+    two for values near zero after cancellation, where a ULP count says nothing)."""
+
+    exact: bool = False
+    max_ulp: int = 0
+    atol: float = 0.0
+    row_rtol: float = 0.0  # |error| <= row_rtol * max|oracle| over the element's row (last dim)
+
+    def __post_init__(self):
+        if self.max_ulp < 0 or self.atol < 0 or self.row_rtol < 0:
+            raise ValueError(f"tolerance: max_ulp ({self.max_ulp}), atol ({self.atol}) and row_rtol "
+                             f"({self.row_rtol}) must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -174,11 +191,4 @@ def parse_registry(doc: dict, path: str = "<registry>") -> Registry:
 
 
 def load_registry(path: str | Path = DEFAULT_PATH) -> Registry:
-    path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise RegistryError(f"kernel registry not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise RegistryError(f"{path}: not valid TOML: {e}") from None
-    return parse_registry(doc, str(path))
+    return parse_registry(read_toml(path, "kernel registry", RegistryError), str(path))

@@ -1,10 +1,15 @@
-"""`ds41gate flags`: the flag registry with each flag's last verdict (history DB, else a results.json).
+"""`ds41gate nightly` and `ds41gate flags` (ds41gates/cli.py mounts `nightly_app` and `flags_app`).
 
+    ds41gate nightly nightly/configs/cpu-smoke.toml [--db nightly/history.sqlite] [--out nightly/runs]
+                                                    [--cell NAME ...] [--dry-run]
     ds41gate flags [--registry FILE ...] [--db nightly/history.sqlite] [--results DIR] [--class exact] [--json]
     ds41gate flags show NAME
     ds41gate flags check PROFILE [--flag NAME ...]     # refuse unknown / test-only VLLM_DS41_* (exit 1)
 
-`flags_app` is a typer app; ds41gates/cli.py mounts it as `ds41gate flags`.
+`nightly` exits 0 when all green, 1 on a regression against the last green baseline (each named on stderr and
+in nightly.md), 2 on failures without a green baseline (first run, new gates) or a cell that could not run,
+3 on a bad config. `flags` lists the registry with each flag's last verdict (history DB, else a results.json).
+docs/NIGHTLY.md.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from engine.flags import CLASSES, FlagRegistryError, Registry, check_profile, load_registry
+from nightly.flags import CLASSES, FlagRegistryError, Registry, check_profile, load_registry
 
 DEFAULT_DB = Path("nightly") / "history.sqlite"
+DEFAULT_OUT = Path("nightly") / "runs"
+EXIT_CONFIG = 3
 
 flags_app = typer.Typer(help="The flag registry (gates.md §10.7) and each flag's last A/B verdict.",
                         invoke_without_command=True, add_completion=False)
 
-RegistryOpt = typer.Option(None, "--registry", "-r", help="extra registry TOML merged over gates/flags.toml (repeatable)")
+RegistryOpt = typer.Option(None, "--registry", "-r", help="extra registry TOML merged over nightly/flags.toml (repeatable)")
 
 
 def _registry(paths: Optional[List[Path]]) -> Registry:
@@ -51,7 +58,7 @@ def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict
             out[flag] = {"passed": all(p for p, _ in gates.values()), "gates": gates, "source": str(path)}
         return out
     if db is not None and db.exists():
-        from reports.history import latest_flag_verdicts
+        from nightly.history import latest_flag_verdicts
 
         for flag, slot in latest_flag_verdicts(db).items():
             out[flag] = {**slot, "source": f"run {slot['run_id']} ({slot['started']}) cell {slot['cell']}"}
@@ -132,3 +139,32 @@ def check(ctx: typer.Context, profile: str = typer.Argument(..., help="engine pr
             typer.echo(f"REFUSED: {p}", err=True)
         raise typer.Exit(1)
     typer.echo(f"profile {prof.name}: ok ({len(result.ds41_env)} VLLM_DS41_* set, flags {list(flag or [])})")
+
+
+def nightly_app(
+    config: Path = typer.Argument(..., help="nightly matrix TOML (docs/NIGHTLY.md)"),
+    db: Path = typer.Option(DEFAULT_DB, "--db", help="SQLite history database (created if absent)"),
+    out: Path = typer.Option(DEFAULT_OUT, "--out", help="folder for this run's results (one subfolder per run)"),
+    cell: Optional[List[str]] = typer.Option(None, "--cell", help="run only these cells (repeatable)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print each cell's pytest command and exit"),
+) -> None:
+    """Run the nightly gate matrix (profiles × flag sets), record history, exit non-zero on regression."""
+    from nightly.runner import NightlyConfigError, cell_argv, load_config, run_nightly
+
+    try:
+        cfg = load_config(config)
+        if dry_run:
+            for c in cfg.cells:
+                if not cell or c.name in cell:
+                    typer.echo(f"{c.name}: " + " ".join(cell_argv(cfg, c, out / "<run>" / c.name)))
+            return
+        result = run_nightly(cfg, db, out, only=cell or ())
+    except NightlyConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_CONFIG)
+    typer.echo(f"nightly {cfg.name}: run {result.run_id} {result.status.upper()} -> {result.out_dir / 'nightly.md'}")
+    for f in result.findings:
+        typer.echo(f.line(), err=f.kind in ("regression", "new-failure", "error"))
+    if result.regressions:
+        typer.echo(f"REGRESSION: {len(result.regressions)} against the last green baseline", err=True)
+    raise typer.Exit(result.exit_code)

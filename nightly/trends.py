@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -12,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from reports import history as H  # noqa: E402
+from core.atomic import atomic_path  # noqa: E402
+from nightly import history as H  # noqa: E402
 
 # Metrics plotted (prefixes); a KL is plotted on a log axis.
 PLOTTED = ("kl_part_prompt_mean[", "kl_panel.kl_part_mean", "kl_panel.top1", "flag_ab.")
@@ -25,10 +25,11 @@ def _safe(name: str) -> str:
 
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path, ".partial.png") as tmp:  # the suffix tells savefig the format
+            fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -5,7 +5,7 @@ Config (TOML)::
     [nightly]
     name = "cpu-smoke"
     gates = ["gates/test_kl_panel.py", "gates/test_flag_ab.py"]   # the gate selection (pytest paths)
-    registry = ["gates/flags-vllm-cpu.toml"]                        # extra flag registries (repo-relative)
+    registry = ["nightly/flags-vllm-cpu.toml"]                      # extra flag registries (repo-relative)
     pytest_args = []                                                 # appended to every cell's pytest
     cell_timeout_s = 3600
     [nightly.regression]                     # metric rule (gates.md §2.7) for run-vs-baseline comparisons
@@ -26,7 +26,7 @@ Config (TOML)::
 
 Each cell runs ``python -m pytest GATES -m gate --engine-profile P --flag F ... --results DIR --junitxml
 DIR/junit.xml --per-prompt-metrics`` as a subprocess; its junit XML, results.json, per_prompt.json and report
-are collected, stored in the history DB (reports.history), and compared with the cell's last green run:
+are collected, stored in the history DB (nightly.history), and compared with the cell's last green run:
 
 * a **gate regression**: a gate that passed in the baseline fails now;
 * a **metric regression**: a per-prompt metric (mean KL_part of each engine record vs the oracle) whose
@@ -45,11 +45,11 @@ import hashlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-import tomllib
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,9 +57,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from reports import history as H
+from core import metrics
+from core.atomic import atomic_write_text
+from core.paths import repo_root
+from core.tomlfile import read_toml
+from nightly import history as H
+from nightly.flag_ab import paired_series, regression_rule
+from nightly.trends import plot_trends
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = repo_root()
+PER_PROMPT_FORMAT = "ds41-per-prompt/1"
 DEFAULT_GATES = ("gates/test_kl_panel.py", "gates/test_flag_ab.py")
 EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 2
 
@@ -182,13 +189,7 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
 
 def load_config(path: str | os.PathLike) -> NightlyConfig:
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise NightlyConfigError(f"nightly config {p} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise NightlyConfigError(f"nightly config {p}: cannot read ({exc})") from None
-    return parse_config(data, str(p), p.resolve().parent)
+    return parse_config(read_toml(p, "nightly config", NightlyConfigError), str(p), p.resolve().parent)
 
 
 # --------------------------------------------------------------------------------------------- one cell
@@ -246,6 +247,20 @@ def cell_metrics(results: Mapping[str, Any], per_prompt: Mapping[str, Any] | Non
     return out
 
 
+def per_prompt_metrics(reference, engines: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """per_prompt.json of a gate session: each engine record's per-prompt mean KL_part against the reference
+    (None where a prompt has no finite, unambiguous position) and its count of infinite positions (pure)."""
+    out: dict[str, Any] = {"format": PER_PROMPT_FORMAT, "seq_ids": list(reference.seq_ids),
+                           "domains": list(reference.domains), "engines": {}}
+    for label, rec in engines:
+        pm = metrics.position_metrics(reference, rec)
+        keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
+        means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(reference.seq_ids))
+        out["engines"][label] = {"kl_part": [float(m) if np.isfinite(m) else None for m in means],
+                                 "hard_fails": int(np.sum(~np.isfinite(pm.kl_part)))}
+    return out
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -279,8 +294,6 @@ def subprocess_runner(argv: list[str], env: Mapping[str, str], log_path: Path, t
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            import signal
-
             os.killpg(proc.pid, signal.SIGTERM)  # pytest's atexit/SIGTERM hooks stop its engine servers
             try:
                 proc.wait(timeout=60)
@@ -289,8 +302,6 @@ def subprocess_runner(argv: list[str], env: Mapping[str, str], log_path: Path, t
                 proc.wait()
             return 124
         except BaseException:
-            import signal
-
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
@@ -309,30 +320,9 @@ class Finding:
         return f"[{self.kind}] {self.cell} :: {self.name} — {self.detail}"
 
 
-def paired_prompt_diff(base: Sequence[float | None], cur: Sequence[float | None], n_boot: int = 2000,
-                       seed: int = 0) -> dict[str, float]:
-    """Per-prompt paired differences cur − base (prompts missing on either side dropped)."""
-    from scipy import stats
-
-    if len(base) != len(cur):
-        raise ValueError(f"per-prompt series differ in length ({len(base)} vs {len(cur)}): the panel changed")
-    d = np.array([c - b for b, c in zip(base, cur) if b is not None and c is not None], dtype=np.float64)
-    bm = np.array([b for b, c in zip(base, cur) if b is not None and c is not None], dtype=np.float64)
-    if d.size == 0:
-        nan = float("nan")
-        return {"n": 0, "base_mean": nan, "diff_mean": nan, "ci_low": nan, "ci_high": nan, "p": nan}
-    rng = np.random.default_rng(seed)
-    boots = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
-    p = float(stats.wilcoxon(d).pvalue) if np.any(d != 0) else 1.0
-    return {"n": int(d.size), "base_mean": float(bm.mean()), "diff_mean": float(d.mean()),
-            "ci_low": float(np.quantile(boots, 0.025)), "ci_high": float(np.quantile(boots, 0.975)), "p": p}
-
-
 def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: RegressionRule,
                  baseline_run: int | None = None) -> list[Finding]:
     """Findings of one cell against its last green run (pure)."""
-    from engine.flag_ab import regression_rule
-
     out: list[Finding] = []
     base_gates = {g.gate: g for g in baseline.gates} if baseline else {}
     ref = f"run {baseline_run}" if baseline_run is not None else "baseline"
@@ -359,16 +349,15 @@ def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: Reg
             if m.per_prompt is None or b is None:
                 continue
             try:
-                pd = paired_prompt_diff(b.per_prompt, m.per_prompt, rule.n_boot)
+                pc = paired_series(b.per_prompt, m.per_prompt, m.name, rule.n_boot)
             except ValueError as exc:
                 out.append(Finding("error", current.cell, m.name, str(exc)))
                 continue
-            regressed, allowance, why = regression_rule(pd["ci_high"], pd["diff_mean"], pd["p"], pd["base_mean"],
-                                                        rule.floor_abs, rule.margin_rel, rule.alpha)
+            regressed, _, why = regression_rule(pc.ci_high, pc.mean_diff, pc.wilcoxon_p, pc.mean_a,
+                                                rule.floor_abs, rule.margin_rel, rule.alpha)
             if regressed:
                 out.append(Finding("regression", current.cell, m.name,
-                                   f"{pd['base_mean']:.3g} in {ref} → {pd['base_mean'] + pd['diff_mean']:.3g} now "
-                                   f"over {pd['n']} prompts; {why}"))
+                                   f"{pc.mean_a:.3g} in {ref} → {pc.mean_b:.3g} now over {pc.n_prompts} prompts; {why}"))
     return out
 
 
@@ -453,8 +442,6 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
                           config_hash=cfg.content_hash, git_commit=_git_commit(), host=socket.gethostname(),
                           status=status, exit_code=code, out_dir=str(run_dir), cells=records)
     result = NightlyResult(run_id, run_dir, code, status, findings, records, baselines)
-    from reports.trends import plot_trends
-
     try:
         result.plots = plot_trends(db, run_dir / "trends")
     except Exception as exc:  # a plot must never hide the verdict
@@ -506,13 +493,7 @@ def render_markdown(data: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_summary(result: NightlyResult, cfg: NightlyConfig) -> None:
     data = summary_data(result, cfg)
-    _write_atomic(result.out_dir / "nightly.json", json.dumps(data, indent=2, default=str))
-    _write_atomic(result.out_dir / "nightly.md", render_markdown(data))
+    atomic_write_text(result.out_dir / "nightly.json", json.dumps(data, indent=2, default=str))
+    atomic_write_text(result.out_dir / "nightly.md", render_markdown(data))

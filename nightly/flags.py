@@ -21,7 +21,7 @@ A registry is TOML, one ``[flags.NAME]`` table per flag::
     speed_tolerance = 0.10          # perf: on may be at most this much slower (median tokens/s)
     require_speedup = false         # perf: on must be faster than off by more than the tolerance
 
-The shipped registry is ``gates/flags.toml``. Users extend it with their own files (``--flag-registry
+The shipped registry is ``nightly/flags.toml``. Users extend it with their own files (``--flag-registry
 PATH``, repeatable, or ``DS41_FLAG_REGISTRY=PATH[:PATH...]``): a later file adds flags, and a table for a
 flag already known replaces the keys it sets (thresholds merge key by key).
 
@@ -34,13 +34,13 @@ import dataclasses
 import difflib
 import hashlib
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_REGISTRY = REPO_ROOT / "gates" / "flags.toml"
+from core.tomlfile import read_toml
+
+DEFAULT_REGISTRY = Path(__file__).resolve().parent / "flags.toml"
 ENV_REGISTRY = "DS41_FLAG_REGISTRY"
 
 CLASSES = ("exact", "numerics", "perf")
@@ -290,9 +290,6 @@ class Registry:
                 f"add a [flags.{name}] table to a registry file and pass it with --flag-registry or "
                 f"{ENV_REGISTRY}") from None
 
-    def by_class(self, cls: str) -> list[FlagEntry]:
-        return [e for e in self.entries.values() if e.cls == cls]
-
 
 def parse_registry(data: Mapping[str, Any], source: str = "", base: Registry | None = None) -> Registry:
     """A registry from parsed TOML, merged over ``base`` (pure)."""
@@ -312,14 +309,7 @@ def parse_registry(data: Mapping[str, Any], source: str = "", base: Registry | N
 
 
 def load_registry_file(path: str | os.PathLike, base: Registry | None = None) -> Registry:
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise FlagRegistryError(f"flag registry {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise FlagRegistryError(f"flag registry {path}: cannot read ({exc})") from None
-    return parse_registry(data, str(path), base)
+    return parse_registry(read_toml(path, "flag registry", FlagRegistryError), str(path), base)
 
 
 def registry_paths(extra: Iterable[str | os.PathLike] = (), env: Mapping[str, str] | None = None,

@@ -1,11 +1,15 @@
-"""Pure comparison functions for kernel gates: ULP distance through integer views, error statistics,
-tolerance verdicts. Torch tensors in, small records out; no IO."""
+"""The kernel gate's verdict side: ULP distance through integer views, error statistics of an engine output
+against the oracle under the registry's tolerance, and one result per (kernel, shape). Torch tensors in, small
+records out; no IO. The cases run in the engine's environment through engine.kernels.driver."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from engine.kernels.cases import Case
+from engine.kernels.registry import KernelEntry, Tolerance
 
 # dtype -> (signed int view dtype, magnitude mask)
 _INT_VIEW = {
@@ -37,24 +41,6 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     d = (ordered_key(a) - ordered_key(b)).abs()
     nan = torch.isnan(a) | torch.isnan(b)
     return torch.where(nan, torch.full_like(d, -1), d)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Per-output tolerance. ``exact``: every element bit-identical to the oracle rounded to the output
-    dtype. Otherwise an element passes when its ULP distance (in the output dtype) is <= ``max_ulp`` or its
-    absolute error is <= ``atol`` or <= ``row_rtol`` times the largest |oracle| value of its row (the last
-    two for values near zero after cancellation, where a ULP count says nothing)."""
-
-    exact: bool = False
-    max_ulp: int = 0
-    atol: float = 0.0
-    row_rtol: float = 0.0  # |error| <= row_rtol * max|oracle| over the element's row (last dim)
-
-    def __post_init__(self):
-        if self.max_ulp < 0 or self.atol < 0 or self.row_rtol < 0:
-            raise ValueError(f"tolerance: max_ulp ({self.max_ulp}), atol ({self.atol}) and row_rtol "
-                             f"({self.row_rtol}) must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -115,3 +101,78 @@ def error_stats(engine: torch.Tensor, oracle: torch.Tensor, tol: Tolerance) -> E
         max_ulp=int(okulp.max()) if n else 0, mean_ulp=float(okulp.double().mean()) if n else 0.0,
         p99_ulp=float(torch.quantile(okulp.double(), 0.99)) if 0 < n <= 16_000_000 else 0.0,
         ulp_hist=hist, mismatches=int((ulp != 0).sum()), violations=int(bad.sum()), nan=nan)
+
+
+@dataclass(frozen=True)
+class OutputResult:
+    name: str
+    tolerance: Tolerance
+    stats: ErrorStats
+
+    @property
+    def ok(self) -> bool:
+        return self.stats.violations == 0
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    kernel: str
+    primitive: str
+    shape: str
+    engine: str
+    target: str
+    flag: str
+    test_only: bool
+    expect_violation: bool
+    wall_s: float | None
+    error: str | None
+    outputs: tuple[OutputResult, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        """True when the kernel ran and every output is inside its tolerance."""
+        return self.error is None and all(o.ok for o in self.outputs)
+
+    @property
+    def violations(self) -> list[str]:
+        if self.error is not None:
+            return [f"{self.kernel}[{self.shape}]: engine call failed: {self.error}"]
+        return [f"{self.kernel}[{self.shape}].{o.name}: {o.stats.violations}/{o.stats.numel} elements outside "
+                f"{_tol_text(o.tolerance)} (max {o.stats.max_ulp} ulp, max abs {o.stats.max_abs:.3g})"
+                for o in self.outputs if not o.ok]
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
+        d["ok"] = self.ok
+        d["outputs"] = {o.name: {"tolerance": asdict(o.tolerance), "ok": o.ok, **o.stats.to_dict()}
+                        for o in self.outputs}
+        return d
+
+
+def _tol_text(t: Tolerance) -> str:
+    return "bit-exact" if t.exact else f"max_ulp={t.max_ulp} / atol={t.atol:g}"
+
+
+def evaluate(entry: KernelEntry, case: Case, outputs: dict[str, torch.Tensor], rec: dict) -> KernelResult:
+    """Compare one case's engine outputs with the oracle under the entry's tolerances."""
+    base = dict(kernel=entry.name, primitive=entry.primitive, shape=case.shape, engine=entry.engine,
+                target=entry.target, flag=entry.flag, test_only=entry.test_only,
+                expect_violation=entry.expect_violation, wall_s=rec.get("wall_s"))
+    if "error" in rec:
+        return KernelResult(**base, error=rec["error"])
+    results = []
+    for name, tol in entry.tolerance.items():
+        if name not in outputs:
+            return KernelResult(**base, error=f"engine returned no output {name!r} (got {sorted(outputs)})")
+        if name not in case.oracle:
+            return KernelResult(**base, error=f"oracle primitive {entry.primitive!r} has no output {name!r}")
+        try:
+            results.append(OutputResult(name, tol, error_stats(outputs[name], case.oracle[name], tol)))
+        except (ValueError, TypeError) as e:
+            return KernelResult(**base, error=f"output {name!r}: {e}")
+    return KernelResult(**base, error=None, outputs=tuple(results))
+
+
+def results_document(results: list[KernelResult], info: dict) -> dict:
+    """kernels.json: the run's facts and every result."""
+    return {"format": "ds41-kernel-gate/1", **info, "results": [r.to_dict() for r in results]}

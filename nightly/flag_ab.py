@@ -1,4 +1,5 @@
-"""Verdicts of the per-flag A/B (gates.md §10.5, §10.6): pure functions over what the two runs returned.
+"""Statistics of the per-flag A/B and the nightly (gates.md §10.5, §10.6, §2.7): pure functions over what two
+runs returned.
 
 * exact / perf: **bitwise** — panel prompt logprobs (ids and parsed float values) and greedy generations
   (ids and per-step top-k logprobs) of flag on must equal flag off, bit for bit.
@@ -6,6 +7,9 @@
   the off-run (gates.md §2.7 regression rule on per-prompt paired differences of KL_part, counted as a
   regression only when the Wilcoxon signed-rank test also calls on worse than off at level alpha).
 * perf: the speed compare (median tokens/s, on vs off) with numerics unchanged (bitwise).
+
+The nightly's run-vs-baseline comparison applies the same §2.7 rule to per-prompt series stored in its history
+(:func:`paired_series`); both sides use core.metrics' prompt bootstrap.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+from scipy import stats
 
-from engine.flags import Thresholds
+from core.metrics import PairedComparison, prompt_bootstrap
+from nightly.flags import Thresholds
 
 MAX_LISTED = 8
 
@@ -156,7 +162,29 @@ def regression_rule(diff_ci_high: float, diff_mean: float, p_value: float, basel
     return beyond and significant, allowance, why
 
 
-def paired_not_worse(paired, thresholds: Thresholds) -> PairedVerdict:
+def wilcoxon_p(diffs: np.ndarray) -> float:
+    """Two-sided Wilcoxon signed-rank p of paired differences; 1.0 when every difference is zero."""
+    return float(stats.wilcoxon(diffs).pvalue) if np.any(diffs != 0) else 1.0
+
+
+def paired_series(base: Sequence[float | None], cur: Sequence[float | None], metric: str = "kl_part",
+                  n_boot: int = 2000, seed: int = 0) -> PairedComparison:
+    """Per-prompt paired differences cur − base of two stored series (a prompt missing on either side is
+    dropped): the mean, core's prompt-bootstrap 95% interval (one group per prompt) and the Wilcoxon p."""
+    if len(base) != len(cur):
+        raise ValueError(f"per-prompt series differ in length ({len(base)} vs {len(cur)}): the panel changed")
+    both = [(b, c) for b, c in zip(base, cur) if b is not None and c is not None]
+    if not both:
+        nan = float("nan")
+        return PairedComparison(metric, 0, nan, nan, nan, nan, nan, nan)
+    a, b = np.array(both, dtype=np.float64).T
+    d = b - a
+    lo, hi = prompt_bootstrap(d, np.arange(d.size), n_boot, seed)
+    return PairedComparison(metric, int(d.size), float(a.mean()), float(b.mean()), float(d.mean()), lo, hi,
+                            wilcoxon_p(d))
+
+
+def paired_not_worse(paired: PairedComparison, thresholds: Thresholds) -> PairedVerdict:
     """``paired`` = metrics.paired_comparison(off_pm, on_pm, 'kl_part'): differences are on − off."""
     regressed, allowance, why = regression_rule(paired.ci_high, paired.mean_diff, paired.wilcoxon_p,
                                                 paired.mean_a, thresholds.kl_floor_abs, thresholds.kl_margin_rel,

@@ -19,7 +19,7 @@ import sqlite3
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 SCHEMA_VERSION = 1
 
@@ -242,11 +242,3 @@ def flag_verdicts_from_results(results: Mapping[str, Any], cell: str = "") -> li
             out.append(FlagVerdict(flag, slot.get("class", "?"), gate, bool(v.get("passed")), str(v.get("why", ""))))
     return out
 
-
-def iter_cells(db: str | Path, run_id: int) -> Iterable[CellRecord]:
-    with closing(connect(db)) as conn:
-        names = [r[0] for r in conn.execute("SELECT cell FROM cells WHERE run_id=? ORDER BY cell", (run_id,))]
-    for n in names:
-        rec = load_cell(db, run_id, n)
-        if rec is not None:
-            yield rec
