@@ -440,7 +440,8 @@ def _identity_hash(ck: Checkpoint) -> str:
 
 def _release_file_handles(ck: Checkpoint) -> None:
     # The loader keeps a safe_open (an mmap of the whole shard) per file it has read; mapped pages count
-    # toward RSS, so after a stage we drop them. (Checkpoint has no public close(); requested in the report.)
+    # toward RSS, so after a stage we drop them. Checkpoint offers no public way to do so, hence its private
+    # folders here.
     for folder in (getattr(ck, "_official", None), getattr(ck, "_pack", None)):
         if folder is not None and hasattr(folder, "_handles"):
             folder._handles.clear()
