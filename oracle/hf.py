@@ -1,12 +1,11 @@
 """Generic fp32 CPU oracle for HF-format causal LMs (transformers).
 
-``score_panel_hf(model_dir, encoded_panel)`` loads the directory with ``dtype=torch.float32``, runs one
-forward pass per :class:`EncodedSequence` (the token ids exactly as encoded, no BOS added), takes
-``log_softmax`` of the full-vocabulary logits **in float64**, and writes the shared record format
-(side ``oracle``): per scored position the top-K ids and logprobs (default K = 256, ties broken by the
-lower id), the actual token's logprob and 1-based rank (1 + number of ids with a strictly larger logprob,
-the convention vLLM uses), the logsumexp of the logits, and optionally the full-vocabulary logprobs in
-float32.
+``HFPanelOracle(model_dir).score(encoded_panel)`` (the oracle seam, oracle/seam.py; ``score_panel_hf`` is
+the same as a function) loads the directory with ``dtype=torch.float32``, runs one forward pass per
+:class:`EncodedSequence` (the token ids exactly as encoded, no BOS added), and turns the logits into the
+shared record format (side ``oracle``) with oracle/scoring.py: per scored position the top-K ids and
+logprobs (default K = 256) of the float64 ``log_softmax``, the actual token's logprob and rank, the
+logsumexp, and optionally the full-vocabulary logprobs in float32.
 
 Determinism: ``torch.use_deterministic_algorithms(True)`` inside the run, a fixed thread count (recorded
 in the provenance), eval mode, no autocast. Repeated runs with the same thread count are bitwise equal.

@@ -86,6 +86,21 @@ def test_streamed_run_is_bit_identical_to_the_in_memory_forward(tiny, panel_json
     assert rec.provenance.precision == precision and rec.provenance.side == "oracle"
 
 
+def test_the_oracle_seam_rescores_the_panel_a_record_was_made_from(tiny, uninterrupted, tmp_path):
+    """oracle.seam.Oracle: DSV41Oracle.score on the panel recovered from a record (panels.encoded_from_record)
+    reproduces the record's arrays and panel identity."""
+    from oracle import Oracle
+    from oracle.dsv41.runner import DSV41Oracle
+    from panels import encoded_from_record
+
+    seam = DSV41Oracle(Checkpoint(tiny), tmp_path / "w", _opts())
+    assert isinstance(seam, Oracle)
+    rec = seam.score(encoded_from_record(uninterrupted))
+    assert_same_record(rec, uninterrupted)
+    for k in ("side", "panel_name", "panel_version", "panel_hash", "tokenizer_hash", "source", "precision"):
+        assert getattr(rec.provenance, k) == getattr(uninterrupted.provenance, k), k
+
+
 def test_precision_modes_differ(in_memory):
     """Guards the test above against comparing a mode with itself."""
     a, b = in_memory["fp32"][0], in_memory["reference-bf16"][0]
