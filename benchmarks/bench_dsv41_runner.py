@@ -51,8 +51,9 @@ LARGE = TINY_LARGE | {
 RUN_SCRIPT = r"""
 import json, sys
 from oracle.dsv41.checkpoint import Checkpoint
-from oracle.dsv41.runner import RunOptions, panel_from_json, run_panel
-rec = run_panel(Checkpoint(sys.argv[1]), panel_from_json(sys.argv[2]), sys.argv[3],
+from oracle.dsv41.runner import RunOptions, run_panel
+from panels import encoded_from_json
+rec = run_panel(Checkpoint(sys.argv[1]), encoded_from_json(sys.argv[2]), sys.argv[3],
                 RunOptions(threads=int(sys.argv[4]), spill=sys.argv[5], progress=sys.stderr.isatty(), restart=True))
 print(json.dumps(rec.provenance.extra["run"]))
 """

@@ -36,20 +36,6 @@ def encode_default_panel(panel: str = DEFAULT_PANEL, model_dir: Path | None = No
     return encode_panel(load_panel(panel), load_tokenizer(model_dir))
 
 
-def encoded_from_reference(ref: Record):
-    """The sequences a reference scored, as an EncodedPanel: the engine gets exactly the oracle's ids."""
-    from panels import EncodedPanel, EncodedSequence
-
-    seqs = []
-    for i, sid in enumerate(ref.seq_ids):
-        lo, hi = int(ref.seq_offsets[i]), int(ref.seq_offsets[i + 1])
-        seqs.append(EncodedSequence(sid, ref.domains[i], tuple(int(t) for t in ref.token_ids[lo:hi]),
-                                    tuple(bool(b) for b in ref.scored[lo:hi])))
-    p = ref.provenance
-    return EncodedPanel(p.panel_name, int(p.panel_version) if str(p.panel_version).isdigit() else p.panel_version,
-                        p.panel_hash, p.tokenizer_hash, tuple(seqs))
-
-
 def reference_path(encoded, model_hash: str, top_k: int = ORACLE_TOP_K) -> Path:
     ph = encoded.panel_hash.split(":")[-1][:12]
     th = encoded.tokenizer_hash.split(":")[-1][:12]

@@ -162,9 +162,9 @@ def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
 
 @pytest.fixture(scope="session")
 def encoded_panel(panel_reference):
-    from ds41gates.pipeline import encoded_from_reference
+    from panels import encoded_from_record
 
-    return encoded_from_reference(panel_reference)
+    return encoded_from_record(panel_reference)
 
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):

@@ -1,5 +1,6 @@
 """`ds41gate oracle`: run the DeepSeek-V4.1 oracle over a panel (layer-streamed, resumable, shardable) and
-merge shard records. The work is oracle/dsv41/runner.py; this module only parses and reports."""
+merge shard records. The work is oracle/dsv41/runner.py (and shards.py); this module only parses the
+command line, turns the --panel argument into an EncodedPanel, and reports."""
 
 from __future__ import annotations
 
@@ -31,6 +32,23 @@ def _parse_shard(text: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def load_panel_arg(spec: str, tokenizer: str | None):
+    """`spec`: a *.json pre-encoded panel, a *.safetensors record, or a panel name (encoded with `tokenizer`,
+    a spec for panels.load_tokenizer). -> (EncodedPanel, the PanelTokenizer it was encoded with or None)."""
+    import panels
+    from core.records import Record
+    from oracle.dsv41.runner import RunnerError
+
+    if spec.endswith(".json") and not spec.endswith(".manifest.json"):
+        return panels.encoded_from_json(spec), None
+    if spec.endswith(".safetensors"):
+        return panels.encoded_from_record(Record.load(spec), spec), None
+    if tokenizer is None:
+        raise RunnerError(f"panel {spec!r} must be encoded, but no tokenizer was given")
+    tok = panels.load_tokenizer(tokenizer)
+    return panels.encode_panel(panels.load_panel(spec), tok), tok
+
+
 @oracle_app.command("run")
 def run_cmd(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="official checkpoint dir (config.json, shards)"),
@@ -57,7 +75,8 @@ def run_cmd(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before anything initialises cuBLAS
     from core.records import RecordError
     from oracle.dsv41.checkpoint import Checkpoint, CheckpointError
-    from oracle.dsv41.runner import RunnerError, RunOptions, load_panel_input, run_to_file
+    from oracle.dsv41.runner import RunnerError, RunOptions, engram_token_map, run_to_file
+    from oracle.dsv41.shards import select_shard
 
     sh = _parse_shard(shard)
     tok = tokenizer
@@ -67,7 +86,7 @@ def run_cmd(
         opts0 = RunOptions(precision=precision, device=device, threads=threads, spill=spill, top_k=top_k,
                            full_logprobs=full_logprobs, keep_work=keep_work, restart=restart, progress=progress)
         try:
-            pin = load_panel_input(panel, tok)
+            pin, panel_tokenizer = load_panel_arg(panel, tok)
         except RunnerError as e:
             if tok is None and "no tokenizer" in str(e):
                 _fail(f"{e}: {checkpoint} has no tokenizer.json; pass --tokenizer deepseek (or a path), or a "
@@ -76,13 +95,13 @@ def run_cmd(
         total = len(pin.sequences)
         indices = tuple(range(total))
         if sh is not None:
-            pin, picked = pin.select_shard(*sh)
+            pin, picked = select_shard(pin, *sh)
             indices = tuple(picked)
         import dataclasses
 
         opts = dataclasses.replace(opts0, shard=sh, seq_indices=indices, panel_sequences=total)
         ck = Checkpoint(checkpoint, pack)
-        rec = run_to_file(ck, pin, out, work, opts)
+        rec = run_to_file(ck, pin, out, work, opts, engram_token_map(ck, panel_tokenizer))
     except (RunnerError, CheckpointError, RecordError, ValueError, OSError) as e:
         _fail(str(e))
     run = rec.provenance.extra["run"]
@@ -99,7 +118,8 @@ def merge_cmd(
 ) -> None:
     """Join shard records into the record an unsharded run writes."""
     from core.records import RecordError
-    from oracle.dsv41.runner import RunnerError, merge_records
+    from oracle.dsv41.runner import RunnerError
+    from oracle.dsv41.shards import merge_records
 
     try:
         rec = merge_records(shards)

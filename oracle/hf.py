@@ -1,12 +1,11 @@
 """Generic fp32 CPU oracle for HF-format causal LMs (transformers).
 
-``score_panel_hf(model_dir, encoded_panel)`` loads the directory with ``dtype=torch.float32``, runs one
-forward pass per :class:`EncodedSequence` (the token ids exactly as encoded, no BOS added), takes
-``log_softmax`` of the full-vocabulary logits **in float64**, and writes the shared record format
-(side ``oracle``): per scored position the top-K ids and logprobs (default K = 256, ties broken by the
-lower id), the actual token's logprob and 1-based rank (1 + number of ids with a strictly larger logprob,
-the convention vLLM uses), the logsumexp of the logits, and optionally the full-vocabulary logprobs in
-float32.
+``HFPanelOracle(model_dir).score(encoded_panel)`` (the oracle seam, oracle/seam.py; ``score_panel_hf`` is
+the same as a function) loads the directory with ``dtype=torch.float32``, runs one forward pass per
+:class:`EncodedSequence` (the token ids exactly as encoded, no BOS added), and turns the logits into the
+shared record format (side ``oracle``) with oracle/scoring.py: per scored position the top-K ids and
+logprobs (default K = 256) of the float64 ``log_softmax``, the actual token's logprob and rank, the
+logsumexp, and optionally the full-vocabulary logprobs in float32.
 
 Determinism: ``torch.use_deterministic_algorithms(True)`` inside the run, a fixed thread count (recorded
 in the provenance), eval mode, no autocast. Repeated runs with the same thread count are bitwise equal.
@@ -28,18 +27,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from core.records import Provenance, Record, SequenceScores
-from core.version import code_version
+from core.atomic import atomic_path
+from core.records import Record, SequenceScores
+from oracle.scoring import OracleError, oracle_provenance, sequence_scores
+from panels.model import EncodedPanel, EncodedSequence
+
+__all__ = ["HFOracle", "HFPanelOracle", "OracleError", "model_hash", "score_panel_hf", "weight_files"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-class OracleError(RuntimeError):
-    """The oracle cannot run on this input; the message names the model dir / sequence / position."""
-
-
-# the panels seam (docs/DESIGN.md): what is scored is always an encoded panel
-from panels.model import EncodedPanel as _EncodedPanel, EncodedSequence as _EncodedSequence  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- hashing
@@ -61,66 +56,6 @@ def model_hash(model_dir: str | os.PathLike) -> str:
                 h.update(block)
         outer.update(f.name.encode() + b"\0" + h.hexdigest().encode() + b"\n")
     return outer.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------- math
-@dataclass(frozen=True)
-class PositionStats:
-    """Per-scored-position oracle values of one sequence (rows in position order)."""
-
-    topk_ids: np.ndarray        # int64 [n, K]
-    topk_logprobs: np.ndarray   # float64 [n, K]
-    actual_logprob: np.ndarray  # float64 [n]
-    actual_rank: np.ndarray     # int64 [n]
-    logsumexp: np.ndarray       # float64 [n]
-    full_logprobs: np.ndarray | None  # float32 [n, V]
-
-
-def stats_from_logits(logits, actual_ids, top_k: int, full_vocab: bool, chunk: int = 256) -> PositionStats:
-    """``logits[r]`` (float32 torch [n, V]) is the distribution that predicts ``actual_ids[r]``.
-
-    Everything after the logits is float64. Top-K is ordered by logprob descending, ties by lower id.
-    """
-    import torch
-
-    n, vocab = logits.shape
-    if top_k > vocab:
-        raise OracleError(f"top_k={top_k} exceeds the vocabulary size {vocab}")
-    # on the logits' device even inside a `with torch.device("cuda")` block (the runner's GPU mode)
-    actual = torch.as_tensor(np.asarray(actual_ids, dtype=np.int64), device=logits.device)
-    out_ids = np.empty((n, top_k), dtype=np.int64)
-    out_lp = np.empty((n, top_k), dtype=np.float64)
-    out_act = np.empty(n, dtype=np.float64)
-    out_rank = np.empty(n, dtype=np.int64)
-    out_lse = np.empty(n, dtype=np.float64)
-    full = np.empty((n, vocab), dtype=np.float32) if full_vocab else None
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        x = logits[a:b].to(torch.float64)
-        lse = torch.logsumexp(x, dim=-1)
-        lp = x - lse[:, None]
-        act = lp.gather(1, actual[a:b, None])[:, 0]
-        rank = 1 + (lp > act[:, None]).sum(dim=1)
-        # candidates: top (K + margin) by value, then a stable (value desc, id asc) order among them; the
-        # margin covers ties at the K boundary unless more than `margin` ids tie there (checked below)
-        m = min(vocab, top_k + 64)
-        vals, idx = torch.topk(lp, m, dim=-1, largest=True, sorted=True)
-        idx_np = idx.numpy()
-        vals_np = vals.numpy()
-        order = np.lexsort((idx_np, -vals_np), axis=-1)[:, :top_k]
-        ids = np.take_along_axis(idx_np, order, 1)
-        lps = np.take_along_axis(vals_np, order, 1)
-        if m < vocab and np.any(vals_np[:, -1] == lps[:, -1]):
-            r = int(np.flatnonzero(vals_np[:, -1] == lps[:, -1])[0])
-            raise OracleError(f"row {a + r}: more than {m - top_k} ids tie at the top-{top_k} boundary")
-        out_ids[a:b] = ids
-        out_lp[a:b] = lps
-        out_act[a:b] = act.numpy()
-        out_rank[a:b] = rank.numpy()
-        out_lse[a:b] = lse.numpy()
-        if full is not None:
-            full[a:b] = lp.to(torch.float32).numpy()
-    return PositionStats(out_ids, out_lp, out_act, out_rank, out_lse, full)
 
 
 @contextlib.contextmanager
@@ -202,21 +137,14 @@ class HFOracle:
             raise OracleError(f"sequence {seq_id!r} position {row + 1}: non-finite logits")
         return logits
 
-    def score_sequence(self, seq: _EncodedSequence, top_k: int = 256, full_vocab: bool = False) -> SequenceScores:
+    def score_sequence(self, seq: EncodedSequence, top_k: int = 256, full_vocab: bool = False) -> SequenceScores:
         ids = np.asarray(seq.token_ids, dtype=np.int64)
         mask = np.asarray(seq.scored_mask, dtype=bool)
         if mask.shape != ids.shape:
             raise OracleError(f"sequence {seq.seq_id!r}: scored_mask has {mask.size} entries for {ids.size} ids")
         if mask.size and mask[0]:
             raise OracleError(f"sequence {seq.seq_id!r} position 0: position 0 cannot be scored")
-        positions = np.flatnonzero(mask)
-        logits = self.logits(ids, seq.seq_id)
-        # logits[i] predicts token i+1, so position p reads row p-1
-        import torch
-        rows = logits[torch.from_numpy(positions - 1)] if positions.size else logits[:0]
-        st = stats_from_logits(rows, ids[positions], top_k, full_vocab)
-        return SequenceScores(seq.seq_id, seq.domain, ids, mask, st.topk_ids, st.topk_logprobs, st.actual_logprob,
-                              st.actual_rank, logsumexp=st.logsumexp, full_logprobs=st.full_logprobs)
+        return sequence_scores(seq, self.logits(ids, seq.seq_id), top_k, full_vocab)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -233,14 +161,11 @@ def _save_ckpt(path: Path, s: SequenceScores) -> None:
     if s.full_logprobs is not None:
         tensors["full_logprobs"] = s.full_logprobs
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"seq_id": s.seq_id, "domain": s.domain})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"seq_id": s.seq_id, "domain": s.domain})
 
 
-def _load_ckpt(path: Path, seq: _EncodedSequence) -> SequenceScores | None:
+def _load_ckpt(path: Path, seq: EncodedSequence) -> SequenceScores | None:
     from safetensors import safe_open
     from safetensors.numpy import load_file
 
@@ -261,49 +186,61 @@ def _load_ckpt(path: Path, seq: _EncodedSequence) -> SequenceScores | None:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def score_panel_hf(model_dir: str | os.PathLike, encoded_panel: _EncodedPanel, top_k: int = 256,
+@dataclass
+class HFPanelOracle:
+    """The transformers oracle behind the oracle seam (oracle.seam.Oracle): `score(panel) -> Record`."""
+
+    model_dir: Path
+    top_k: int = 256
+    full_vocab: bool = False
+    threads: int = 2
+    checkpoint_dir: Path | None = None
+    oracle: HFOracle | None = None
+    progress: bool = False
+
+    def score(self, panel: EncodedPanel) -> Record:
+        """Score `panel` with the fp32 transformers model in `model_dir` -> oracle `Record`."""
+        seqs = list(panel.sequences)
+        if not seqs:
+            raise OracleError(f"panel {panel.panel_name!r} has no sequences")
+        t0 = time.perf_counter()
+        orc = self.oracle if self.oracle is not None else HFOracle.load(self.model_dir, threads=self.threads)
+        ckpt = Path(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        if ckpt is not None:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        scores: list[SequenceScores] = []
+        resumed = 0
+        for n, seq in enumerate(seqs):
+            path = _ckpt_path(ckpt, panel.panel_hash, orc.model_hash, seq.seq_id, self.top_k,
+                              self.full_vocab) if ckpt else None
+            s = _load_ckpt(path, seq) if path is not None else None
+            if s is None:
+                s = orc.score_sequence(seq, self.top_k, self.full_vocab)
+                if path is not None:
+                    _save_ckpt(path, s)
+            else:
+                resumed += 1
+            scores.append(s)
+            if self.progress:
+                print(f"[oracle.hf] {n + 1}/{len(seqs)} {seq.seq_id}", flush=True)
+        import torch
+        import transformers
+
+        prov = oracle_provenance(
+            panel, precision="fp32",
+            source={"model_dir": str(Path(self.model_dir).resolve()), "model_hash": orc.model_hash,
+                    "weight_files": [f.name for f in weight_files(orc.model_dir)]},
+            extra={"oracle": "oracle.hf", "top_k": self.top_k, "log_softmax_dtype": "float64",
+                   "threads": orc.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+                   "deterministic_algorithms": True, "resumed_sequences": resumed,
+                   "seconds": round(time.perf_counter() - t0, 3)})
+        return Record.from_sequences(prov, scores, k=self.top_k)
+
+
+def score_panel_hf(model_dir: str | os.PathLike, encoded_panel: EncodedPanel, top_k: int = 256,
                    full_vocab: bool = False, *, threads: int = 2, checkpoint_dir: str | os.PathLike | None = None,
                    oracle: HFOracle | None = None, progress: bool = False) -> Record:
     """Score ``encoded_panel`` with the fp32 transformers model in ``model_dir`` → oracle ``Record``."""
-    seqs = list(encoded_panel.sequences)
-    if not seqs:
-        raise OracleError(f"panel {encoded_panel.panel_name!r} has no sequences")
-    t0 = time.perf_counter()
-    orc = oracle if oracle is not None else HFOracle.load(model_dir, threads=threads)
-    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if ckpt is not None:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    scores: list[SequenceScores] = []
-    resumed = 0
-    for n, seq in enumerate(seqs):
-        path = _ckpt_path(ckpt, encoded_panel.panel_hash, orc.model_hash, seq.seq_id, top_k, full_vocab) if ckpt else None
-        s = _load_ckpt(path, seq) if path is not None else None
-        if s is None:
-            s = orc.score_sequence(seq, top_k, full_vocab)
-            if path is not None:
-                _save_ckpt(path, s)
-        else:
-            resumed += 1
-        scores.append(s)
-        if progress:
-            print(f"[oracle.hf] {n + 1}/{len(seqs)} {seq.seq_id}", flush=True)
-    import torch
-    import transformers
-
-    prov = Provenance(
-        side="oracle",
-        panel_name=encoded_panel.panel_name,
-        panel_version=str(encoded_panel.panel_version),
-        panel_hash=encoded_panel.panel_hash,
-        tokenizer_hash=encoded_panel.tokenizer_hash,
-        source={"model_dir": str(Path(model_dir).resolve()), "model_hash": orc.model_hash,
-                "weight_files": [f.name for f in weight_files(orc.model_dir)]},
-        precision="fp32",
-        code_version=code_version(),
-        created=Provenance.now(),
-        extra={"oracle": "oracle.hf", "top_k": top_k, "log_softmax_dtype": "float64", "threads": orc.threads,
-               "torch": torch.__version__, "transformers": transformers.__version__,
-               "deterministic_algorithms": True, "resumed_sequences": resumed,
-               "seconds": round(time.perf_counter() - t0, 3)},
-    )
-    return Record.from_sequences(prov, scores, k=top_k)
+    return HFPanelOracle(Path(model_dir), top_k, full_vocab, threads,
+                         Path(checkpoint_dir) if checkpoint_dir is not None else None, oracle,
+                         progress).score(encoded_panel)

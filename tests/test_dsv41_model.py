@@ -11,9 +11,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from dsv41_random_weights import random_weights  # noqa: E402
 
+from oracle.dsv41.block import Block  # noqa: E402
 from oracle.dsv41.config import ModelConfig  # noqa: E402
 from oracle.dsv41.engram import tiny_token_map  # noqa: E402
-from oracle.dsv41.model import Block, Model  # noqa: E402
+from oracle.dsv41.model import Model  # noqa: E402
 
 CFG = ModelConfig.tiny()
 # decode vs one-pass prefill, fp32 mode, intended index keys: max |diff| / max |logit| per position
@@ -147,7 +148,7 @@ def test_layer_streaming_reproduces_the_forward(weights):
     ref = m.forward(ids, m.new_state(1)).logits
     st = m.new_state(1)
     hashes, st.engram_history = m.hasher(ids, st.engram_history, 0)
-    from oracle.dsv41.model import StepContext
+    from oracle.dsv41.block import StepContext
 
     ctx = StepContext(0, st)
     h = m.embed(ids).unsqueeze(2).repeat(1, 1, CFG.hc_mult, 1)

@@ -16,10 +16,11 @@ import torch
 
 from core.records import Record
 from oracle.dsv41.checkpoint import Checkpoint
-from oracle.dsv41.runner import (KILL_ENV, MANIFEST, MergeError, RunnerError, RunOptions, forward_in_memory,
-                                 merge_records, panel_from_json, run_panel, run_to_file)
+from oracle.dsv41.runner import KILL_ENV, MANIFEST, RunnerError, RunOptions, forward_in_memory, run_panel, run_to_file
+from oracle.dsv41.shards import MergeError, merge_records, select_shard
 from oracle.dsv41.spill import SpillError, StageReader, StageWriter
 from oracle.dsv41.tiny import write_tiny_checkpoint
+from panels import PanelError, encoded_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 ARRAYS = ("seq_offsets", "token_ids", "scored", "pos_seq", "pos_index", "topk_ids", "topk_logprobs",
@@ -60,7 +61,7 @@ def _opts(**kw) -> RunOptions:
 @pytest.fixture(scope="module")
 def in_memory(tiny, panel_json):
     """The independent reference: every sequence through Model.forward with all weights loaded."""
-    return {p: forward_in_memory(Checkpoint(tiny), panel_from_json(panel_json), p, full_logprobs=True, threads=1)
+    return {p: forward_in_memory(Checkpoint(tiny), encoded_from_json(panel_json), p, full_logprobs=True, threads=1)
             for p in ("fp32", "reference-bf16")}
 
 
@@ -71,18 +72,33 @@ def as_record(rec: Record, in_memory, precision="fp32") -> Record:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, panel_json, tmp_path_factory) -> Record:
-    return run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path_factory.mktemp("w") / "work", _opts())
+    return run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path_factory.mktemp("w") / "work", _opts())
 
 
 @pytest.mark.parametrize("precision,spill", [("fp32", "ram"), ("reference-bf16", "disk")])
 def test_streamed_run_is_bit_identical_to_the_in_memory_forward(tiny, panel_json, in_memory, tmp_path, precision, spill):
-    rec = run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path / "work", _opts(precision=precision, spill=spill))
+    rec = run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "work", _opts(precision=precision, spill=spill))
     ties = in_memory[precision][1]
     assert_same_record(rec, as_record(rec, in_memory, precision))
     assert rec.provenance.extra["ties"]["counts"] == dict(sorted(ties.counts.items()))
     run = rec.provenance.extra["run"]
     assert run["spill"] == (spill == "disk") and run["resumed_from_stage"] == 0
     assert rec.provenance.precision == precision and rec.provenance.side == "oracle"
+
+
+def test_the_oracle_seam_rescores_the_panel_a_record_was_made_from(tiny, uninterrupted, tmp_path):
+    """oracle.seam.Oracle: DSV41Oracle.score on the panel recovered from a record (panels.encoded_from_record)
+    reproduces the record's arrays and panel identity."""
+    from oracle import Oracle
+    from oracle.dsv41.runner import DSV41Oracle
+    from panels import encoded_from_record
+
+    seam = DSV41Oracle(Checkpoint(tiny), tmp_path / "w", _opts())
+    assert isinstance(seam, Oracle)
+    rec = seam.score(encoded_from_record(uninterrupted))
+    assert_same_record(rec, uninterrupted)
+    for k in ("side", "panel_name", "panel_version", "panel_hash", "tokenizer_hash", "source", "precision"):
+        assert getattr(rec.provenance, k) == getattr(uninterrupted.provenance, k), k
 
 
 def test_precision_modes_differ(in_memory):
@@ -166,10 +182,10 @@ def test_corrupt_activations_and_foreign_work_dirs_are_refused(tiny, panel_json,
     data[len(data) // 2] ^= 1
     acts.write_bytes(bytes(data))
     with pytest.raises(SpillError, match="SHA-256"):
-        run_panel(Checkpoint(tiny), panel_from_json(panel_json), work, _opts())
+        run_panel(Checkpoint(tiny), encoded_from_json(panel_json), work, _opts())
     with pytest.raises(RunnerError, match=r"belongs to another run .*precision"):
-        run_panel(Checkpoint(tiny), panel_from_json(panel_json), work, _opts(precision="reference-bf16"))
-    rec = run_panel(Checkpoint(tiny), panel_from_json(panel_json), work, _opts(restart=True))
+        run_panel(Checkpoint(tiny), encoded_from_json(panel_json), work, _opts(precision="reference-bf16"))
+    rec = run_panel(Checkpoint(tiny), encoded_from_json(panel_json), work, _opts(restart=True))
     assert rec.provenance.extra["run"]["resumed_from_stage"] == 0
 
 
@@ -199,7 +215,7 @@ def test_stage_writer_commit_is_atomic_and_readers_hand_over(tmp_path):
 def test_shards_merge_to_the_unsharded_record(tiny, panel_json, in_memory, uninterrupted, tmp_path):
     paths = []
     for i in range(3):
-        pin, picked = panel_from_json(panel_json).select_shard(i, 3)
+        pin, picked = select_shard(encoded_from_json(panel_json), i, 3)
         assert picked == list(range(i, len(LENGTHS), 3))
         rec = run_to_file(Checkpoint(tiny), pin, tmp_path / f"s{i}.safetensors",
                           opts=_opts(shard=(i, 3), seq_indices=tuple(picked), panel_sequences=len(LENGTHS)))
@@ -225,15 +241,15 @@ def test_bad_inputs_fail_clearly(tiny, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([[1, 2, 3], [4, 999]]))
     with pytest.raises(RunnerError, match=r"token id 999 is outside the checkpoint's vocabulary 0..511"):
-        run_panel(Checkpoint(tiny), panel_from_json(bad), tmp_path / "w", _opts())
+        run_panel(Checkpoint(tiny), encoded_from_json(bad), tmp_path / "w", _opts())
     bad.write_text(json.dumps({"sequences": [{"token_ids": [1, 2], "scored_mask": [True, True]}]}))
-    with pytest.raises(RunnerError, match="position 0"):
-        panel_from_json(bad)
+    with pytest.raises(PanelError, match="position 0"):
+        encoded_from_json(bad)
     bad.write_text("{")
-    with pytest.raises(RunnerError, match="not a readable JSON panel"):
-        panel_from_json(bad)
+    with pytest.raises(PanelError, match="not a readable JSON panel"):
+        encoded_from_json(bad)
     with pytest.raises(RunnerError, match="shard 3/2"):
-        panel_from_json(_write(tmp_path / "ok.json", [[1, 2]])).select_shard(3, 2)
+        select_shard(encoded_from_json(_write(tmp_path / "ok.json", [[1, 2]])), 3, 2)
     with pytest.raises(RunnerError, match="precision"):
         RunOptions(precision="bf16")
 
@@ -255,8 +271,9 @@ MEM_OVERRIDES = {"dim": 1024, "moe_inter_dim": 512, "n_routed_experts": 32, "n_l
 MEM_SCRIPT = r"""
 import json, sys, torch
 from oracle.dsv41.checkpoint import Checkpoint
-from oracle.dsv41.runner import RunOptions, panel_from_json, run_panel
-rec = run_panel(Checkpoint(sys.argv[1]), panel_from_json(sys.argv[2]), sys.argv[3],
+from oracle.dsv41.runner import RunOptions, run_panel
+from panels import encoded_from_json
+rec = run_panel(Checkpoint(sys.argv[1]), encoded_from_json(sys.argv[2]), sys.argv[3],
                 RunOptions(threads=1, progress=False, spill=sys.argv[4]))
 print(json.dumps(rec.provenance.extra["run"]))
 """
@@ -295,7 +312,7 @@ def test_every_weight_is_read_once_per_panel(tiny, panel_json, tmp_path, monkeyp
         return real(self, info, rows)
 
     monkeypatch.setattr(C._Folder, "read", counting)
-    run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path / "w", _opts())
+    run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "w", _opts())
     stored = {n for n in Checkpoint(tiny)._official.infos if not n.startswith("mtp.")}
     assert set(reads) == stored
     assert max(reads.values()) == 1
@@ -306,7 +323,7 @@ def test_row_read_engram_tables_give_the_same_record(tiny, panel_json, uninterru
     from oracle.dsv41 import runner as R
 
     monkeypatch.setattr(R, "WHOLE_TABLE_BYTES", 0)
-    rec = run_panel(Checkpoint(tiny), panel_from_json(panel_json), tmp_path / "w", _opts())
+    rec = run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "w", _opts())
     assert_same_record(rec, uninterrupted)
     assert rec.provenance.source["tensors_read"] == uninterrupted.provenance.source["tensors_read"] - 4  # 2 tables
 
@@ -320,7 +337,7 @@ def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_jso
     from reports.render import ReportError, build_report
 
     vocab = Checkpoint(tiny).model_config.vocab_size
-    panel = panel_from_json(panel_json)
+    panel = encoded_from_json(panel_json)
     fp32 = run_panel(Checkpoint(tiny), panel, tmp_path / "w32", _opts(top_k=vocab))
     bf16 = run_panel(Checkpoint(tiny), panel, tmp_path / "w16", _opts(top_k=vocab, precision="reference-bf16"))
     paths = build_report(fp32, [("engine-like", bf16)], tmp_path / "report", n_boot=100,

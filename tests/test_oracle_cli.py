@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from ds41gates.cli import app
 from core.records import Record
 from oracle.dsv41.checkpoint import Checkpoint
-from oracle.dsv41.runner import forward_in_memory, panel_from_json
+from oracle.dsv41.runner import forward_in_memory
+from panels import encoded_from_json
 from oracle.dsv41.tiny import write_tiny_checkpoint
 
 runner = CliRunner()
@@ -59,7 +60,7 @@ def test_run_writes_an_oracle_record_equal_to_the_in_memory_forward(tiny, panel,
     assert pv.panel_name == "ids" and pv.panel_hash.startswith("sha256:") and pv.tokenizer_hash == "pre-encoded"
     assert rec.logsumexp is not None and rec.full_logprobs is None
     assert not Path(str(reference) + ".work").exists()
-    scores, _ = forward_in_memory(Checkpoint(tiny), panel_from_json(panel), threads=1)
+    scores, _ = forward_in_memory(Checkpoint(tiny), encoded_from_json(panel), threads=1)
     assert same_arrays(rec, Record.from_sequences(pv, scores, k=256))
 
 

@@ -129,3 +129,19 @@ def test_errors_name_sequence_and_position(hf_dir, oracle):
         score_panel_hf(hf_dir, _panel(("bad", (504, 3575, 99999))), top_k=8, oracle=oracle)
     with pytest.raises(OracleError, match="no config.json"):
         HFOracle.load(hf_dir.parent)
+
+
+def test_the_oracle_seam_rescores_the_panel_a_record_was_made_from(hf_dir, oracle, canary_record):
+    """oracle.seam.Oracle: HFPanelOracle.score(panel) on the panel recovered from a record reproduces it."""
+    from oracle import Oracle
+    from oracle.hf import HFPanelOracle
+    from panels import encoded_from_record
+
+    seam = HFPanelOracle(hf_dir, top_k=256, full_vocab=True, oracle=oracle)
+    assert isinstance(seam, Oracle)
+    again = seam.score(encoded_from_record(canary_record))
+    for name in ("token_ids", "scored", "topk_ids", "topk_logprobs", "actual_logprob", "actual_rank", "logsumexp",
+                 "full_logprobs"):
+        assert np.array_equal(getattr(again, name), getattr(canary_record, name)), name
+    for k in ("side", "panel_name", "panel_version", "panel_hash", "tokenizer_hash", "source", "precision"):
+        assert getattr(again.provenance, k) == getattr(canary_record.provenance, k), k

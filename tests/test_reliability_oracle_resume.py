@@ -113,12 +113,13 @@ def _kill_and_resume(drv: _Driver, tmp_path, trials: int, clean: Record, resume,
 @pytest.mark.timeout(600)
 def test_dsv41_runner_sigkill_at_10_random_points_resumes_bit_identical(tmp_path):
     from oracle.dsv41.checkpoint import Checkpoint
-    from oracle.dsv41.runner import MANIFEST, panel_from_json, run_panel
+    from oracle.dsv41.runner import MANIFEST, run_panel
+    from panels import encoded_from_json
     from oracle.dsv41.tiny import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=0)
     panel_json = dsv41_panel_json(tmp_path / "panel.json")
-    panel = panel_from_json(panel_json)
+    panel = encoded_from_json(panel_json)
     clean = run_panel(Checkpoint(ckpt), panel, tmp_path / "clean-work", dsv41_options())
 
     def resume(work):

@@ -10,13 +10,7 @@ from .compressor import Compressor, Indexer
 from .config import ModelConfig
 from .numerics import Numerics, einsum, in_f64, qdq4e, qdq8, sum_f64
 from .rope import apply_rope, layer_frequencies, rope_cis
-
-
-def _need(w: dict, name: str) -> torch.Tensor:
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+from .weights import need
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,10 +120,10 @@ class Attention:
     def load(self, w: dict, prefix: str) -> "Attention":
         p = prefix + "attn."
         for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
-            setattr(self, n, _need(w, p + n + ".weight"))
-        self.q_norm = _need(w, p + "q_norm.weight")
-        self.kv_norm = _need(w, p + "kv_norm.weight")
-        self.attn_sink = _need(w, p + "attn_sink")
+            setattr(self, n, need(w, p + n + ".weight"))
+        self.q_norm = need(w, p + "q_norm.weight")
+        self.kv_norm = need(w, p + "kv_norm.weight")
+        self.attn_sink = need(w, p + "attn_sink")
         if self.compressor:
             self.compressor.load(w, p)
         if self.indexer:

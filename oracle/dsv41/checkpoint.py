@@ -608,12 +608,6 @@ class Checkpoint:
             names |= set(fmt.tensors.values())
         return sorted(names)
 
-    def linear_prefixes(self) -> list[str]:
-        return sorted(self._linears)
-
-    def format_of(self, prefix: str) -> F.LinearFormat:
-        return self._linears[prefix][1]
-
     def source_of(self, prefix_or_name: str) -> str:
         src = self._linears[prefix_or_name][0] if prefix_or_name in self._linears else self._tensors[prefix_or_name]
         return src.role

@@ -7,13 +7,7 @@ import torch
 from .config import ModelConfig
 from .numerics import Numerics, einsum, in_f64, mm, qdq4p, sum_f64, topk_lowest_index
 from .rope import apply_rope
-
-
-def _need(w: dict, name: str) -> torch.Tensor:
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+from .weights import need
 
 
 class Compressor:
@@ -23,9 +17,9 @@ class Compressor:
         self.cfg, self.layer_id, self.ratio = cfg, layer_id, cfg.ratio(layer_id)
 
     def load(self, w: dict, p: str) -> "Compressor":
-        self.wkv = _need(w, p + "compressor.wkv.weight")
-        self.norm = _need(w, p + "compressor.norm.weight")
-        self.wgate = _need(w, p + "compressor.wgate.weight") if self.ratio > 1 else None
+        self.wkv = need(w, p + "compressor.wkv.weight")
+        self.norm = need(w, p + "compressor.norm.weight")
+        self.wgate = need(w, p + "compressor.wgate.weight") if self.ratio > 1 else None
         return self
 
     def __call__(self, x: torch.Tensor, start_pos: int, cache, num: Numerics) -> torch.Tensor | None:
@@ -77,11 +71,11 @@ class Indexer:
         self.owns_k = cfg.owns_index_keys(layer_id)
 
     def load(self, w: dict, p: str) -> "Indexer":
-        self.wq_b = _need(w, p + "indexer.wq_b.weight")
-        self.weights_proj = _need(w, p + "indexer.weights_proj.weight")
+        self.wq_b = need(w, p + "indexer.wq_b.weight")
+        self.weights_proj = need(w, p + "indexer.weights_proj.weight")
         if self.owns_k:
-            self.wk = _need(w, p + "indexer.wk.weight")
-            self.k_norm = _need(w, p + "indexer.k_norm.weight")
+            self.wk = need(w, p + "indexer.wk.weight")
+            self.k_norm = need(w, p + "indexer.k_norm.weight")
         return self
 
     def publish_keys(self, latent: torch.Tensor, group_cis: torch.Tensor, start_pos: int, cache,

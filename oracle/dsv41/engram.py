@@ -11,6 +11,7 @@ import torch
 
 from .config import ModelConfig
 from .numerics import Numerics, in_f64, rstd_f64, sum_f64
+from .weights import need
 
 DEAD = -1  # history entry of an image token (§8.2)
 
@@ -177,9 +178,9 @@ class Engram:
     def load(self, w: dict[str, torch.Tensor]) -> "Engram":
         p = f"layers.{self.layer_id}.engram."
         # the table may be a tensor or any object indexable by a LongTensor of rows (lazy row reader)
-        self.table = _need(w, p + "embed.weight")
-        self.wkv = _need(w, p + "wkv.weight")
-        self.w = _need(w, p + "q_weight") * _need(w, p + "k_weight")  # only the product is ever used
+        self.table = need(w, p + "embed.weight")
+        self.wkv = need(w, p + "wkv.weight")
+        self.w = need(w, p + "q_weight") * need(w, p + "k_weight")  # only the product is ever used
         return self
 
     def __call__(self, x: torch.Tensor, hash_ids: torch.Tensor, engram_mask: torch.Tensor | None,
@@ -197,10 +198,3 @@ class Engram:
         if engram_mask is not None:
             gate = gate.masked_fill(~engram_mask.unsqueeze(-1), 0.0)
         return num.r(x + gate.unsqueeze(-1) * value.unsqueeze(-2))
-
-
-def _need(w: dict, name: str):
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None

@@ -338,10 +338,6 @@ def sylvester(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return h
 
 
-def hadamard128(dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    return sylvester(128, dtype)
-
-
 def unpack_sign_bits(bits: torch.Tensor) -> torch.Tensor:
     """Legacy ``su`` / ``sv`` int16 bitfields -> fp16 ±1: bit i of word j is element 16j+i, 1 means -1 (§7.9)."""
     u = bits.to(torch.int32) & 0xFFFF

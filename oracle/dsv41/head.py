@@ -6,13 +6,7 @@ import torch
 
 from .config import ModelConfig
 from .numerics import Numerics, mm
-
-
-def _need(w: dict, name: str) -> torch.Tensor:
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+from .weights import need
 
 
 class Head:
@@ -20,8 +14,8 @@ class Head:
         self.cfg, self.norm_name = cfg, norm_name
 
     def load(self, w: dict) -> "Head":
-        self.norm = _need(w, self.norm_name)
-        self.weight = _need(w, "head.weight")
+        self.norm = need(w, self.norm_name)
+        self.weight = need(w, "head.weight")
         return self
 
     def __call__(self, x: torch.Tensor, num: Numerics) -> torch.Tensor:
@@ -34,7 +28,7 @@ class Embedding:
         self.cfg = cfg
 
     def load(self, w: dict) -> "Embedding":
-        self.weight = _need(w, "embed.weight")
+        self.weight = need(w, "embed.weight")
         return self
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .numerics import Numerics, in_f64, mm, sum_f64, topk_lowest_index
-
-
-def _need(w: dict, name: str) -> torch.Tensor:
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+from .weights import need
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg: ModelConfig, num: Numerics,
@@ -55,19 +49,19 @@ class MoE:
 
     def load(self, w: dict, prefix: str) -> "MoE":
         p = prefix + "ffn."
-        self.gate = _need(w, p + "gate.weight")
-        self.bias = _need(w, p + "gate.bias")
+        self.gate = need(w, p + "gate.weight")
+        self.bias = need(w, p + "gate.bias")
         self.bias_vl = w.get(p + "gate.bias_vl")
         if self.gate.shape[0] != self.n_experts:
             raise ValueError(f"{p}gate.weight has {self.gate.shape[0]} rows, config says {self.n_experts} experts")
         # experts: a dict name -> tensor, or a lazy mapping that dequantizes on access (§19 memory plan)
         self.w = w
         self.prefix = p
-        self.shared = tuple(_need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
+        self.shared = tuple(need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
         return self
 
     def expert_weights(self, e: int):
-        return tuple(_need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
+        return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
     def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics) -> torch.Tensor:
         shape = x.shape

@@ -8,17 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from .attention import Attention, LayerCache, sparse_attn
+from .block import Block, StepContext, embed_step
 from .config import ModelConfig
 from .hyper import hc_pre
 from .numerics import mm
 from .rope import rope_cis
-
-
-def _need(w: dict, name: str) -> torch.Tensor:
-    try:
-        return w[name]
-    except KeyError:
-        raise KeyError(f"missing checkpoint tensor {name!r}") from None
+from .weights import need
 
 
 class DSparkAttention(Attention):
@@ -52,40 +47,37 @@ class DraftOutput:
     confidence: torch.Tensor  # [b, B]
 
 
+class DSparkStage(Block):
+    """A draft stage: a Block whose attention reads the backbone taps (`ctx.main_x`)."""
+
+    attention_cls = DSparkAttention
+
+    def run_attn(self, x, ctx):
+        return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num,
+                         main_x=ctx.main_x)
+
+
 class DSpark:
     def __init__(self, cfg: ModelConfig, w: dict, embed, head):
-        from .model import Block
-
-        class Stage(Block):
-            attention_cls = DSparkAttention
-
-            def run_attn(self, x, ctx):
-                return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num,
-                                 main_x=ctx.main_x)
-
         self.cfg, self.embed, self.head = cfg, embed, head
-        self.stages = [Stage(cfg, cfg.n_layers + i).load(w) for i in range(cfg.n_mtp_layers)]
-        self.main_proj = _need(w, "mtp.0.main_proj.weight")
-        self.main_norm = _need(w, "mtp.0.main_norm.weight")
+        self.stages = [DSparkStage(cfg, cfg.n_layers + i).load(w) for i in range(cfg.n_mtp_layers)]
+        self.main_proj = need(w, "mtp.0.main_proj.weight")
+        self.main_norm = need(w, "mtp.0.main_norm.weight")
         last = f"mtp.{cfg.n_mtp_layers - 1}."
-        self.norm = _need(w, last + "norm.weight")
-        self.markov_embed = _need(w, last + "markov_head.embed.weight")
-        self.markov_head = _need(w, last + "markov_head.head.weight")
-        self.confidence = _need(w, last + "confidence_head.proj.weight")
+        self.norm = need(w, last + "norm.weight")
+        self.markov_embed = need(w, last + "markov_head.embed.weight")
+        self.markov_head = need(w, last + "markov_head.head.weight")
+        self.confidence = need(w, last + "confidence_head.proj.weight")
 
     @torch.inference_mode()
     def forward_spec(self, tok: torch.Tensor, main_hidden: torch.Tensor, start_pos: int, state) -> DraftOutput | None:
         """tok [b]: the token just produced; main_hidden: the taps of the backbone call at start_pos."""
-        from .model import StepContext
-
         cfg, num = self.cfg, state.num
         main_x = num.rmsnorm(num.qlinear(main_hidden, self.main_proj), self.main_norm, cfg.norm_eps)
         b, B = tok.shape[0], cfg.dspark_block_size
         ids = torch.full((b, B), cfg.dspark_noise_token_id, dtype=torch.int64)
         ids[:, 0] = tok
-        x = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
-        pre = torch.zeros(b, B, cfg.hc_mult)
-        pre[..., 0] = 1.0
+        x, pre = embed_step(self.embed, ids, cfg.hc_mult)
         ctx = StepContext(start_pos, state, None, main_x)
         for stage in self.stages:
             if start_pos == 0:

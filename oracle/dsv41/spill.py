@@ -25,6 +25,8 @@ from typing import Callable
 
 import numpy as np
 
+from core.atomic import fsync_dir
+
 Hook = Callable[[str], None]
 CHUNK = 8 << 20  # bytes per write/read call (and between the 'half written' fault points)
 
@@ -35,14 +37,6 @@ class SpillError(RuntimeError):
 
 def _bytes_view(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_sha256(path: Path) -> str:
@@ -110,12 +104,6 @@ class StageWriter:
     def reader(self) -> "StageReader":
         """The committed stage as the next stage's input (RAM mode hands over its arrays, no re-read)."""
         return StageReader(self.path, self.table, held=self.held if not self.spill else None)
-
-    def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        self.tmp.unlink(missing_ok=True)
 
 
 class StageReader:

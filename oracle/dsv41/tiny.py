@@ -13,12 +13,12 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from core.atomic import atomic_path, atomic_write_text
 
 from . import formats as F
 from .checkpoint import INDEX_NAME, PLAN_NAME, Checkpoint, expected_inventory, engram_prime_rows
@@ -63,22 +63,12 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _atomic_json(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 class _ShardWriter:

@@ -33,11 +33,12 @@ def _dsv41_job(ckpt: str, panel_json: str):
     import torch
 
     from oracle.dsv41.checkpoint import Checkpoint
-    from oracle.dsv41.runner import panel_from_json, run_panel
+    from oracle.dsv41.runner import run_panel
+    from panels import encoded_from_json
     from tests.reliability.helpers import dsv41_options
 
     torch.set_num_threads(1)
-    panel = panel_from_json(panel_json)
+    panel = encoded_from_json(panel_json)
 
     def job(work: str, out: str, spill: str) -> None:
         run_panel(Checkpoint(ckpt), panel, work, dsv41_options(spill)).save(out)
