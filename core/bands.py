@@ -7,13 +7,14 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.errors import UserError
 from core.metrics import GroupReport, PanelMetrics
 from core.paths import repo_root
 
 DEFAULT_BANDS_FILE = repo_root() / "gates" / "bands.toml"
 
 
-class BandsError(ValueError):
+class BandsError(UserError, ValueError):
     pass
 
 

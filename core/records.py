@@ -19,13 +19,15 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
 
+from core.errors import UserError
+
 FORMAT_VERSION = "ds41-record/1"
 CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
 
 Side = Literal["oracle", "engine"]
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record is malformed; the message names the sequence and position."""
 
 

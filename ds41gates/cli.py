@@ -48,5 +48,29 @@ for module_name, attr, name in SUB_APPS:
         app.command(name=name)(sub)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The console entry point: a user error is one line on stderr and exit code 2, with every known
+    secret redacted; any other exception is a harness bug and keeps its traceback."""
+    import sys
+
+    from core.errors import UserError, one_line
+    from core.redact import redact
+
+    try:
+        app(args=argv, prog_name="ds41gate", standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except UserError as exc:
+        print(f"error: {redact(one_line(exc))}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        if not exc.filename:
+            raise
+        # a file or folder the user named cannot be read or written (unwritable --out, missing input)
+        print(f"error: {redact(str(exc.filename))}: {redact(exc.strerror or str(exc))}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    app()
+    raise SystemExit(main())

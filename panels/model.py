@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core.errors import UserError
+
 DOMAINS: tuple[str, ...] = (
     "code",
     "math",
@@ -30,7 +32,7 @@ ScorePolicy = Literal["all", "assistant", "last"]
 SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last")
 
 
-class PanelError(ValueError):
+class PanelError(UserError, ValueError):
     """A panel file, manifest or item is malformed. The message names the file and line."""
 
 

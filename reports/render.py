@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import numpy as np
 
+from core.errors import UserError
 from core import metrics
 from core.records import Record
 
@@ -52,7 +53,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAIRED_METRICS = ("kl_part", "nll_eng")
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """The report cannot be built from these inputs; the message says which input."""
 
 

@@ -25,11 +25,13 @@ from typing import Callable
 
 import numpy as np
 
+from core.errors import UserError
+
 Hook = Callable[[str], None]
 CHUNK = 8 << 20  # bytes per write/read call (and between the 'half written' fault points)
 
 
-class SpillError(RuntimeError):
+class SpillError(UserError, RuntimeError):
     """An activation file is missing, short, or does not hash to what the manifest says."""
 
 
