@@ -113,6 +113,12 @@ def evaluate(reference: Record, engines: Sequence[tuple[str, Record]], n_boot: i
     dupes = sorted({lb for lb in labels if labels.count(lb) > 1})
     if dupes:
         raise ReportError(f"engine record labels must be unique; repeated: {dupes}")
+    reference._check_consistent("reference record")
+    if reference.n_positions == 0:
+        raise ReportError("reference record scores no position (every sequence has a single token or none is "
+                          "scored): there is nothing to compare")
+    for label, rec in engines:
+        rec._check_consistent(f"engine record {label!r}")
     out = []
     for label, rec in engines:
         try:
