@@ -9,18 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core.domains import DOMAINS
 from core.errors import UserError
 
-DOMAINS: tuple[str, ...] = (
-    "code",
-    "math",
-    "agentic",
-    "knowledge",
-    "multilingual",
-    "chat",
-    "writing",
-    "structured",
-)
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
