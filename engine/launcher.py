@@ -214,7 +214,11 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
             f"no engine profile {text!r} (looked for {path}); shipped profiles: {available_profiles()}"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{path}: not valid TOML: {exc}") from None
     return parse_profile(data, source=path.resolve(), default_name=path.stem)
