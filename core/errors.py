@@ -14,4 +14,4 @@ class UserError(Exception):
 def one_line(exc: BaseException) -> str:
     """The first line of an error's message (multi-line details stay in the log, not on the terminal)."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0] if text else text
+    return text.split("\n")[0].rstrip("\r")
