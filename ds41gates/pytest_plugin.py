@@ -89,6 +89,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
+
 
 @dataclasses.dataclass
 class GateRun:
@@ -151,8 +153,18 @@ def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
 
     path = _opt(request.config, "--reference")
     if path:
-        ref = Record.load(path)
+        try:
+            ref = Record.load(path)
+        except UserError as exc:
+            _stop_for_user_error(f"--reference {path}: {exc}")
+        if ref.provenance.side != "oracle":
+            _stop_for_user_error(f"--reference {path}: is an {ref.provenance.side} record; the reference must be "
+                                 "an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
+        if _opt(request.config, "--engine-url"):
+            _warn(request.config, "--engine-url without --reference: gating against the embedded SmolLM2 "
+                                  "reference of the default panel with the loose [profiles.default] bands; pass "
+                                  "--reference for your model (refused below if the engine serves another model)")
         model_dir = pipeline.default_model_dir()
         encoded = pipeline.encode_default_panel(_opt(request.config, "--panel") or pipeline.DEFAULT_PANEL, model_dir)
         ref, _ = pipeline.ensure_reference(encoded, model_dir)
@@ -165,6 +177,51 @@ def encoded_panel(panel_reference):
     from ds41gates.pipeline import encoded_from_reference
 
     return encoded_from_reference(panel_reference)
+
+
+def _stop_for_user_error(message: str):
+    """A bad option or input file: one line and exit code 2 before any gate runs, never a traceback per gate."""
+    from core.errors import one_line
+    from core.redact import redact
+
+    pytest.exit(f"error: {redact(one_line(message))}", returncode=2)
+
+
+def _warn(config: pytest.Config, message: str) -> None:
+    """Loud even under -q: straight to the terminal (a warnings-summary entry is easy to miss)."""
+    import sys
+
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
+    else:
+        print(f"ds41-gates WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _served_models(url: str, root: str, headers: dict) -> list[str]:
+    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL."""
+    import httpx
+
+    try:
+        resp = httpx.get(root + "/v1/models", timeout=30, headers=headers)
+    except httpx.HTTPError as exc:
+        _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models "
+                             f"({type(exc).__name__}: {exc})")
+    if resp.status_code != 200:
+        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if resp.status_code in (401, 403) else ""
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {resp.status_code}{hint}")
+    try:
+        listing = resp.json()
+    except ValueError:
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
+                             f"{resp.headers.get('content-type', '?')!r}); is this an OpenAI-compatible server?")
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
+                             '({"data": [{"id": ...}, ...]})')
+    if not data:
+        _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
+    return [m["id"] for m in data]
 
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
@@ -190,10 +247,15 @@ def engine_endpoint(request: pytest.FixtureRequest):
 
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        listing = httpx.get(root + "/v1/models", timeout=30, headers=headers).json()
-        models = [m["id"] for m in listing.get("data", [])]
-        if not models:
-            raise pytest.UsageError(f"--engine-url {url}: /v1/models lists no model")
+        models = _served_models(url, root, headers)
+        if not _opt(request.config, "--reference"):
+            from engine.launcher import load_profile
+
+            default_model = load_profile(DEFAULT_PROFILE).served_model
+            if default_model not in models:
+                _stop_for_user_error(
+                    f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
+                    "reference is used without --reference; pass --reference with the served model's oracle reference")
         kind = "vllm"
         if profile:
             from engine.launcher import load_profile
