@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
 
 from core.errors import UserError
+from core.redact import redact
 
 FORMAT_VERSION = "ds41-record/1"
 CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
@@ -337,7 +338,7 @@ class Record:
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
         meta = {
             "format": FORMAT_VERSION,
-            "provenance": self.provenance.to_json(),
+            "provenance": redact(self.provenance.to_json()),   # an engine URL may carry user:password@
             "seq_ids": json.dumps(self.seq_ids),
             "domains": json.dumps(self.domains),
             "k": str(self.k),

@@ -106,9 +106,10 @@ class GateRun:
 
     def add(self, gate: str, data: dict) -> None:
         from core.atomic import write_json_atomic
+        from core.redact import redact_data
 
         self.results[gate] = data
-        write_json_atomic(self.out_dir / "results.json", self.results)
+        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
 
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self.report_sections[title] = {"rows": rows, "note": note}
@@ -116,10 +117,11 @@ class GateRun:
     def mark(self, nodeid: str, outcome: dict) -> None:
         """Record one gate's outcome (passed / failed / error / skipped) in results.json at once."""
         from core.atomic import write_json_atomic
+        from core.redact import redact_data
 
         self.outcomes[nodeid] = outcome
         self.results[OUTCOMES_KEY] = dict(self.outcomes)
-        write_json_atomic(self.out_dir / "results.json", self.results)
+        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
 
     def errored(self) -> list[str]:
         return [n for n, o in self.outcomes.items() if o["outcome"] == "error"]

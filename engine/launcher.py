@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from core.errors import UserError
+from core.redact import REDACTED, SECRET_NAME, redact, register_secret
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -373,8 +374,19 @@ def resolve(
 
 # ---------------------------------------------------------------------------------- secrets in logs
 
-_SECRET_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD", re.IGNORECASE)  # not --tokenizer, --max-num-batched-tokens
-REDACTED = "<redacted>"
+_SECRET_NAME = SECRET_NAME  # not --tokenizer, --max-num-batched-tokens
+
+
+def server_api_key(spec: "LaunchSpec", base_env: Mapping[str, str] | None = None) -> str | None:
+    """The key the server will demand: its ``--api-key`` argument, else ``VLLM_API_KEY`` in its environment
+    (vLLM reads both). The health probe and the client send it; it is registered for redaction."""
+    argv = list(spec.argv)
+    for i, a in enumerate(argv):
+        if a in ("--api-key", "--api_key") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(("--api-key=", "--api_key=")):
+            return a.split("=", 1)[1]
+    return spec.full_env(os.environ if base_env is None else base_env).get("VLLM_API_KEY") or None
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -433,7 +445,7 @@ def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
             data = fh.read()
     except OSError as exc:
         return f"<log {path} unreadable: {exc}>"
-    text = data.decode(errors="replace")
+    text = redact(data.decode(errors="replace"))   # the engine may log its own arguments, --api-key included
     return ("...\n" if size > nbytes else "") + text
 
 
@@ -526,6 +538,12 @@ class EngineServer:
         return self._require_spec().served_model
 
     @property
+    def api_key(self) -> str | None:
+        key = server_api_key(self._require_spec())
+        register_secret(key)
+        return key
+
+    @property
     def pid(self) -> int:
         if self.proc is None:
             raise RuntimeError(f"engine server {self.profile.name!r} was not started")
@@ -596,6 +614,8 @@ class EngineServer:
     def _wait_healthy(self, spec: LaunchSpec, proc: subprocess.Popen[bytes], t0: float) -> None:
         deadline = t0 + spec.start_timeout_s
         last_error = "no answer yet"
+        key = self.api_key
+        probe = urllib.request.Request(spec.health_url, headers={"Authorization": f"Bearer {key}"} if key else {})
         while True:
             code = proc.poll()
             if code is not None:
@@ -605,12 +625,17 @@ class EngineServer:
                     f"--- last lines of {spec.log_path} ---\n{log_tail(spec.log_path)}"
                 )
             try:
-                with urllib.request.urlopen(spec.health_url, timeout=5) as resp:
+                with urllib.request.urlopen(probe, timeout=5) as resp:
                     if resp.status == 200:
                         return
                     last_error = f"HTTP {resp.status}"
             except urllib.error.HTTPError as exc:
                 last_error = f"HTTP {exc.code}"
+                if exc.code in (401, 403):
+                    raise EngineStartError(
+                        f"engine {spec.profile!r}: {spec.health_url} answered HTTP {exc.code} to the health probe "
+                        f"({'with' if key else 'without'} an API key): the server demands a key the launcher does "
+                        "not know (give it as --api-key in the profile args or VLLM_API_KEY in its env)")
             except (urllib.error.URLError, OSError) as exc:
                 last_error = str(getattr(exc, "reason", exc))
             if time.monotonic() > deadline:

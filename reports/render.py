@@ -47,6 +47,7 @@ import numpy as np
 from core.errors import UserError
 from core import metrics
 from core.records import Record
+from core.redact import redact_data
 
 REPORT_FORMAT = "ds41-report/1"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -409,7 +410,7 @@ def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: 
 
     results = evaluate(reference, engines, n_boot, seed)
     floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
-    data = report_data(reference, results, extra, n_boot, seed, title, floor)
+    data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor))
     images = plots.render_all(data, results)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")
