@@ -226,12 +226,34 @@ def _served_models(url: str, root: str, headers: dict) -> list[str]:
     return [m["id"] for m in data]
 
 
+_terminal_echo = None
+
+
+def _launcher_echo(line: str) -> None:
+    """The launcher's progress on the terminal even under -q and output capture (an engine start takes minutes)."""
+    import sys
+
+    if _terminal_echo is not None:
+        _terminal_echo(f"[engine.launcher] {line}")
+    else:
+        print(f"[engine.launcher] {line}", file=sys.stderr, flush=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _terminal_echo
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        _terminal_echo = lambda line: (tr.ensure_newline(), tr.write_line(line))   # noqa: E731
+
+
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
     """Start a server from a shipped profile (they all serve the embedded default model)."""
     from ds41gates.pipeline import default_model_dir
     from engine import endpoint
 
-    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides)
+    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides,
+                                    echo=_launcher_echo)
 
 
 @pytest.fixture(scope="session")

