@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import os
 import tempfile
@@ -153,6 +154,17 @@ def _validate_sequence(s: SequenceScores, k: int) -> None:
         if (np.diff(dup, axis=1) == 0).any():
             i = int(np.argwhere(np.diff(dup, axis=1) == 0)[0][0])
             raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: duplicate id in top-k")
+
+
+def _content_sha256(arrays: dict[str, np.ndarray], seq_ids: list, domains: list, k: int) -> str:
+    """sha256 over every array (name, dtype, shape, bytes) and the sequence table: a flipped byte in a
+    logprob is otherwise a valid, different number."""
+    h = hashlib.sha256(json.dumps([seq_ids, domains, k]).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
 
 
 @dataclass
@@ -337,6 +349,7 @@ class Record:
                 tensors[name] = getattr(self, name)
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
         meta = {
+            "content_sha256": _content_sha256(tensors, self.seq_ids, self.domains, self.k),
             "format": FORMAT_VERSION,
             "provenance": redact(self.provenance.to_json()),   # an engine URL may carry user:password@
             "seq_ids": json.dumps(self.seq_ids),
@@ -388,6 +401,10 @@ class Record:
                 raise RecordError(f"{path}: record metadata {name} must be a list of strings")
         if k < 1:
             raise RecordError(f"{path}: record metadata k={k}; must be at least 1")
+        stored = meta.get("content_sha256")
+        if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k):
+            raise RecordError(f"{path}: the record's arrays, ids or domains do not match its content_sha256 "
+                              "(the file was corrupted or edited after it was written)")
         rec = cls(
             provenance=Provenance.from_json(meta["provenance"], where=str(path)),
             k=k,

@@ -747,8 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dry_run:
             spec = resolve(load_profile(args.profile).with_overrides(overrides), args.flag)
-            print(" ".join(spec.argv))
-            for k, v in spec.env.items():
+            print(" ".join(redact_argv(spec.argv)))
+            for k, v in redact_env(spec.env).items():
                 print(f"  {k}={v}")
             return 0
         with EngineServer(args.profile, overrides=overrides, flags=args.flag) as srv:
@@ -757,8 +757,11 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
             print(f"server exited; log tail:\n{log_tail(srv.log_path)}", file=sys.stderr)
             return 1
-    except (ProfileError, EngineStartError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ProfileError as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except EngineStartError as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
