@@ -510,13 +510,13 @@ class Record:
         bad = np.isnan(actual) | (actual == np.inf) | (actual > LOGPROB_SLACK)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise RecordError(f"{at(i)}: actual-token logprob {actual[i]!r} is not a valid logprob (must be <= 0)")
+            raise RecordError(f"{at(i)}: actual-token logprob {float(actual[i])!r} is not a valid logprob (must be <= 0)")
         lp = self.topk_logprobs.astype(np.float64)
         ids = self.topk_ids
         bad = np.isnan(lp) | (lp == np.inf) | (lp > LOGPROB_SLACK)
         if bad.any():
             i, j = (int(x) for x in np.argwhere(bad)[0])
-            raise RecordError(f"{at(i)}: top-{j + 1} logprob {lp[i, j]!r} is not a valid logprob (must be <= 0)")
+            raise RecordError(f"{at(i)}: top-{j + 1} logprob {float(lp[i, j])!r} is not a valid logprob (must be <= 0)")
         pad = ids < 0
         if np.any(ids < -1):
             i, j = (int(x) for x in np.argwhere(ids < -1)[0])

@@ -27,6 +27,22 @@ def register_secret(value: str | None) -> None:
         _registered.add(value)
 
 
+def register_url_credentials(url: str | None) -> None:
+    """Register the password of a ``user:password@`` URL, and the Basic-auth token built from it (an engine
+    may echo its Authorization header)."""
+    import base64
+    from urllib.parse import urlsplit
+
+    if not url:
+        return
+    parts = urlsplit(url)
+    if parts.password:
+        register_secret(parts.password)
+        cred = f"{parts.username or ''}:{parts.password}"
+        register_secret(cred)
+        register_secret(base64.b64encode(cred.encode()).decode())
+
+
 def known_secrets(env: Mapping[str, str] | None = None, extra: Iterable[str] = ()) -> list[str]:
     env = os.environ if env is None else env
     found = {v for k, v in env.items() if SECRET_NAME.search(k) and v and len(v) >= MIN_SECRET_LEN}

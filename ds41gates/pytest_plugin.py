@@ -45,12 +45,26 @@ def _requires_engines() -> bool:
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     report = outcome.get_result()
+    _redact_report(report)
     if item.get_closest_marker("gate"):
         _note_gate_outcome(item, call, report)
     expected_failure = hasattr(report, "wasxfail")  # a documented known issue, not a skip
     if report.skipped and not expected_failure and _requires_engines() and (
             item.get_closest_marker("engine") or item.get_closest_marker("gate")):
         _skipped_required.append(f"{item.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
+
+
+def _redact_report(report) -> None:
+    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key):
+    the printed text goes through the one redaction; left as it was when it holds no secret."""
+    if report.longrepr is None:
+        return
+    from core.redact import redact
+
+    text = str(report.longrepr)
+    clean = redact(text)
+    if clean != text:
+        report.longrepr = clean
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -163,10 +177,9 @@ def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
             _stop_for_user_error(f"--reference {path}: is an {ref.provenance.side} record; the reference must be "
                                  "an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
-        if _opt(request.config, "--engine-url"):
-            _warn(request.config, "--engine-url without --reference: gating against the embedded SmolLM2 "
-                                  "reference of the default panel with the loose [profiles.default] bands; pass "
-                                  "--reference for your model (refused below if the engine serves another model)")
+        url = _opt(request.config, "--engine-url")
+        if url:
+            _require_default_model(request.config, url)   # before minutes of building a reference
         model_dir = pipeline.default_model_dir()
         encoded = pipeline.encode_default_panel(_opt(request.config, "--panel") or pipeline.DEFAULT_PANEL, model_dir)
         ref, _ = pipeline.ensure_reference(encoded, model_dir)
@@ -195,9 +208,19 @@ def _warn(config: pytest.Config, message: str) -> None:
 
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
-        tr.write_line(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
+        with _uncaptured(config):
+            tr.ensure_newline()
+            tr.write_line(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
     else:
         print(f"ds41-gates WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _uncaptured(config: pytest.Config):
+    """Output capture off for a moment: fixtures run captured, and the terminal reporter's stream is fd 1."""
+    import contextlib
+
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
 
 
 def _served_models(url: str, root: str, headers: dict) -> list[str]:
@@ -242,9 +265,40 @@ def _launcher_echo(line: str) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _terminal_echo
-    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    config = session.config
+    tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
-        _terminal_echo = lambda line: (tr.ensure_newline(), tr.write_line(line))   # noqa: E731
+        def echo(line: str) -> None:
+            with _uncaptured(config):
+                tr.ensure_newline()
+                tr.write_line(line)
+
+        _terminal_echo = echo
+
+
+def _require_default_model(config: pytest.Config, url: str, models: list[str] | None = None) -> None:
+    """Without --reference the embedded SmolLM2 reference is used: say so, and refuse an engine serving
+    another model."""
+    import os
+
+    if not getattr(config, "_ds41_default_reference_announced", False):
+        config._ds41_default_reference_announced = True
+        _warn(config, "--engine-url without --reference: gating against the embedded SmolLM2 reference of the "
+                      "default panel with the loose [profiles.default] bands; pass --reference for your model "
+                      "(refused when the engine serves another model)")
+
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.launcher import load_profile
+
+    if models is None:
+        key = os.environ.get("DS41_ENGINE_API_KEY")
+        root = url.rstrip("/").removesuffix("/v1")
+        models = _served_models(url, root, {"Authorization": f"Bearer {key}"} if key else {})
+    default_model = load_profile(DEFAULT_PROFILE).served_model
+    if default_model not in models:
+        _stop_for_user_error(
+            f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
+            "reference is used without --reference; pass --reference with the served model's oracle reference")
 
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
@@ -264,8 +318,9 @@ def engine_endpoint(request: pytest.FixtureRequest):
     url = _opt(request.config, "--engine-url")
     profile = _opt(request.config, "--engine-profile")
     if url:
-        import httpx
+        from core.redact import register_url_credentials
 
+        register_url_credentials(url)
         root = url.rstrip("/").removesuffix("/v1")
         import os
 
@@ -273,13 +328,7 @@ def engine_endpoint(request: pytest.FixtureRequest):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         models = _served_models(url, root, headers)
         if not _opt(request.config, "--reference"):
-            from engine.launcher import load_profile
-
-            default_model = load_profile(DEFAULT_PROFILE).served_model
-            if default_model not in models:
-                _stop_for_user_error(
-                    f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
-                    "reference is used without --reference; pass --reference with the served model's oracle reference")
+            _require_default_model(request.config, url, models)
         kind = "vllm"
         if profile:
             from engine.launcher import load_profile

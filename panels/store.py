@@ -169,7 +169,7 @@ def parse_jsonl(path: Path) -> tuple[PanelItem, ...]:
     items: list[PanelItem] = []
     seen: dict[str, int] = {}
     try:
-        # JSONL lines end at "\n" only: str.splitlines() also splits at U+2028, U+0085, \x1c ... which JSON
+        # JSONL lines end at "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085, which JSON
         # allows raw inside strings, so it would refuse valid panels
         lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
