@@ -9,11 +9,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.domains import DOMAINS
+from core.errors import UserError
 from core.metrics import GroupReport, PanelMetrics
 from core.tomlfile import read_toml
 
 
-class BandsError(ValueError):
+class BandsError(UserError, ValueError):
     pass
 
 
@@ -46,21 +48,62 @@ class PanelVerdict:
                 for d in self.domains]
 
 
+BAND_KEYS = {"kl_mean": "a number >= 0", "kl_p99": "a number >= 0", "top1_decided": "a number in [0, 1]",
+             "ln_ppl": "a number >= 0"}
+
+
+def _band(path: Path, where: str, values: object) -> Band:
+    if not isinstance(values, dict):
+        raise BandsError(f"{path}: {where} must be a table of {sorted(BAND_KEYS)}, got {values!r:.60}")
+    unknown = sorted(set(values) - set(BAND_KEYS))
+    if unknown:
+        raise BandsError(f"{path}: {where}: unknown key(s) {unknown}; allowed: {sorted(BAND_KEYS)}")
+    missing = sorted(set(BAND_KEYS) - set(values))
+    if missing:
+        raise BandsError(f"{path}: {where}: missing key(s) {missing}")
+    out = {}
+    for key, allowed in BAND_KEYS.items():
+        v = values[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        if ok and key == "top1_decided":
+            ok = v <= 1
+        if not ok:
+            raise BandsError(f"{path}: {where}.{key} = {v!r}; must be {allowed}")
+        out[key] = float(v)
+    return Band(**out)
+
+
+def parse_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
+    """Every profile's bands, every key and value checked (the whole file, not just the profile asked for)."""
+    unknown = sorted(set(data) - {"profiles"})
+    if unknown:
+        raise BandsError(f"{path}: unknown top-level key(s) {unknown}; allowed: ['profiles']")
+    profiles = data.get("profiles", {})
+    if not isinstance(profiles, dict):
+        raise BandsError(f"{path}: 'profiles' must be a table of profile tables")
+    allowed_domains = ("default",) + DOMAINS
+    out: dict[str, dict[str, Band]] = {}
+    for name, table in profiles.items():
+        if not isinstance(table, dict):
+            raise BandsError(f"{path}: profiles.{name} must be a table of domain bands, got {table!r:.60}")
+        bands = {}
+        for domain, values in table.items():
+            if domain not in allowed_domains:
+                raise BandsError(f"{path}: profiles.{name}.{domain}: unknown domain; allowed: {list(allowed_domains)}")
+            bands[domain] = _band(path, f"profiles.{name}.{domain}", values)
+        if "default" not in bands:
+            raise BandsError(f"{path}: profiles.{name} has no 'default' band")
+        out[name] = bands
+    return out
+
+
 def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
     path = Path(path)
     data = read_toml(path, "bands file", BandsError)
-    profiles = data.get("profiles", {})
-    table = profiles.get(profile) or profiles.get("default")
-    if table is None:
+    profiles = parse_bands(data, path)
+    bands = profiles.get(profile) or profiles.get("default")
+    if bands is None:
         raise BandsError(f"{path}: no bands for profile {profile!r} and no [profiles.default]")
-    bands = {}
-    for domain, values in table.items():
-        try:
-            bands[domain] = Band(**{k: float(v) for k, v in values.items()})
-        except TypeError as exc:
-            raise BandsError(f"{path}: profiles.{profile}.{domain}: {exc}") from exc
-    if "default" not in bands:
-        raise BandsError(f"{path}: profiles.{profile} has no 'default' band")
     return bands
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -19,14 +20,17 @@ from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
 
 from core.atomic import atomic_path
+from core.errors import UserError
+from core.redact import redact
 
 FORMAT_VERSION = "ds41-record/1"
 CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
+LOGPROB_SLACK = 1e-6     # a logprob above this is not log of a probability (float rounding stays below)
 
 Side = Literal["oracle", "engine"]
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record is malformed; the message names the sequence and position."""
 
 
@@ -51,8 +55,30 @@ class Provenance:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Provenance":
-        data = json.loads(text)
+    def from_json(cls, text: str, where: str = "record") -> "Provenance":
+        """Parse provenance JSON; a wrong type, a missing or an unknown key is a RecordError naming it."""
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"{where}: provenance is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise RecordError(f"{where}: provenance must be a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise RecordError(f"{where}: provenance has unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        required = [n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise RecordError(f"{where}: provenance lacks key(s) {missing}")
+        for name, value in data.items():
+            want = dict if name in ("source", "extra") else str
+            if not isinstance(value, want):
+                raise RecordError(f"{where}: provenance key {name!r} must be a {want.__name__}, "
+                                  f"got {type(value).__name__} {value!r:.60}")
+        if data["side"] not in ("oracle", "engine"):
+            raise RecordError(f"{where}: provenance side {data['side']!r}; allowed: 'oracle', 'engine'")
         return cls(**data)
 
     @staticmethod
@@ -128,6 +154,17 @@ def _validate_sequence(s: SequenceScores, k: int) -> None:
         if (np.diff(dup, axis=1) == 0).any():
             i = int(np.argwhere(np.diff(dup, axis=1) == 0)[0][0])
             raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: duplicate id in top-k")
+
+
+def _content_sha256(arrays: dict[str, np.ndarray], seq_ids: list, domains: list, k: int) -> str:
+    """sha256 over every array (name, dtype, shape, bytes) and the sequence table: a flipped byte in a
+    logprob is otherwise a valid, different number."""
+    h = hashlib.sha256(json.dumps([seq_ids, domains, k]).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
 
 
 @dataclass
@@ -312,8 +349,9 @@ class Record:
                 tensors[name] = getattr(self, name)
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
         meta = {
+            "content_sha256": _content_sha256(tensors, self.seq_ids, self.domains, self.k),
             "format": FORMAT_VERSION,
-            "provenance": self.provenance.to_json(),
+            "provenance": redact(self.provenance.to_json()),   # an engine URL may carry user:password@
             "seq_ids": json.dumps(self.seq_ids),
             "domains": json.dumps(self.domains),
             "k": str(self.k),
@@ -341,11 +379,29 @@ class Record:
         missing = [n for n in required if n not in arrays]
         if missing:
             raise RecordError(f"{path}: record lacks arrays {missing}")
+        missing_meta = [n for n in ("provenance", "seq_ids", "domains", "k") if n not in meta]
+        if missing_meta:
+            raise RecordError(f"{path}: record metadata lacks {missing_meta}")
+        try:
+            k = int(meta["k"])
+            seq_ids = json.loads(meta["seq_ids"])
+            domains = json.loads(meta["domains"])
+        except ValueError as exc:
+            raise RecordError(f"{path}: record metadata k / seq_ids / domains unreadable ({exc})") from None
+        for name, value in (("seq_ids", seq_ids), ("domains", domains)):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise RecordError(f"{path}: record metadata {name} must be a list of strings")
+        if k < 1:
+            raise RecordError(f"{path}: record metadata k={k}; must be at least 1")
+        stored = meta.get("content_sha256")
+        if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k):
+            raise RecordError(f"{path}: the record's arrays, ids or domains do not match its content_sha256 "
+                              "(the file was corrupted or edited after it was written)")
         rec = cls(
-            provenance=Provenance.from_json(meta["provenance"]),
-            k=int(meta["k"]),
-            seq_ids=json.loads(meta["seq_ids"]),
-            domains=json.loads(meta["domains"]),
+            provenance=Provenance.from_json(meta["provenance"], where=str(path)),
+            k=k,
+            seq_ids=seq_ids,
+            domains=domains,
             logsumexp=arrays.get("logsumexp"),
             full_logprobs=arrays.get("full_logprobs"),
             ambiguous=arrays.get("ambiguous"),
@@ -355,6 +411,14 @@ class Record:
         return rec
 
     def _check_consistent(self, where: Path | str = "record") -> None:
+        kinds = {"seq_offsets": "i", "token_ids": "i", "pos_seq": "i", "pos_index": "i", "topk_ids": "i",
+                 "actual_rank": "i", "scored": "b", "ambiguous": "b", "topk_logprobs": "f",
+                 "actual_logprob": "f", "logsumexp": "f", "full_logprobs": "f"}
+        for name, kind in kinds.items():
+            arr = getattr(self, name)
+            if arr is not None and arr.dtype.kind not in (kind + "u" if kind == "i" else kind):
+                want = {"i": "an integer", "b": "a bool", "f": "a float"}[kind]
+                raise RecordError(f"{where}: array {name} has dtype {arr.dtype}, expected {want} array")
         n_seq = len(self.seq_ids)
         p = self.n_positions
         if self.seq_offsets.shape != (n_seq + 1,) or int(self.seq_offsets[-1]) != self.token_ids.size:
@@ -366,3 +430,105 @@ class Record:
                 raise RecordError(f"{where}: {name} has {getattr(self, name).shape[0]} rows, expected {p}")
         if self.topk_ids.shape != (p, self.k) or self.topk_logprobs.shape != (p, self.k):
             raise RecordError(f"{where}: top-k arrays are not [{p}, {self.k}]")
+        if self.pos_seq.shape != (p,):
+            raise RecordError(f"{where}: pos_seq has shape {self.pos_seq.shape}, expected ({p},)")
+        for name in ("logsumexp", "ambiguous"):
+            arr = getattr(self, name)
+            if arr is not None and arr.shape != (p,):
+                raise RecordError(f"{where}: {name} has shape {arr.shape}, expected ({p},)")
+        if self.full_logprobs is not None and (self.full_logprobs.ndim != 2 or len(self.full_logprobs) != p):
+            raise RecordError(f"{where}: full_logprobs must be [{p} scored positions, vocab]")
+        if len(self.domains) != n_seq or len(set(self.seq_ids)) != n_seq:
+            raise RecordError(f"{where}: {n_seq} sequence ids (unique: {len(set(self.seq_ids))}) "
+                              f"and {len(self.domains)} domains")
+        self._check_values(where)
+
+    def vocab_size(self) -> int | None:
+        """The vocabulary size when the record knows it (full logprobs, or `vocab_size` in provenance)."""
+        if self.full_logprobs is not None:
+            return int(self.full_logprobs.shape[1])
+        for table in (self.provenance.extra, self.provenance.source):
+            v = table.get("vocab_size")
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    def _check_values(self, where: Path | str) -> None:
+        """What `_validate_sequence` checks when a record is built, re-checked on the loaded arrays: a
+        file edited or written by another tool must not reach the metrics as a silent number."""
+        offsets = self.seq_offsets
+        if np.any(np.diff(offsets) < 0) or int(offsets[0]) != 0:
+            raise RecordError(f"{where}: sequence offsets are not increasing from 0")
+        lengths = np.diff(offsets)
+        p = self.n_positions
+        if p and (self.pos_seq.min() < 0 or self.pos_seq.max() >= len(self.seq_ids)):
+            raise RecordError(f"{where}: pos_seq holds a sequence index outside [0, {len(self.seq_ids)})")
+        if p and np.any(np.diff(self.pos_seq) < 0):
+            raise RecordError(f"{where}: positions are not grouped by sequence in order")
+
+        def at(i: int) -> str:
+            s = int(self.pos_seq[i])
+            return f"{where}: {_where(self.seq_ids[s], int(self.pos_index[i]))}"
+
+        if p:
+            bad = (self.pos_index < 1) | (self.pos_index >= lengths[self.pos_seq])
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                s = int(self.pos_seq[i])
+                raise RecordError(f"{where}: {_where(self.seq_ids[s])}: position index {int(self.pos_index[i])} "
+                                  f"outside [1, {int(lengths[s]) - 1}] (the sequence has {int(lengths[s])} tokens)")
+            flat = offsets[self.pos_seq] + self.pos_index
+            if not self.scored[flat].all() or (p > 1 and np.any(np.diff(flat) <= 0)):
+                raise RecordError(f"{where}: position indices do not match the scored mask")
+        for s in np.flatnonzero(lengths > 0):
+            if self.scored[offsets[s]]:
+                raise RecordError(f"{where}: {_where(self.seq_ids[s], 0)}: position 0 has no distribution "
+                                  "and cannot be scored")
+        if self.token_ids.size and self.token_ids.min() < 0:
+            i = int(np.flatnonzero(self.token_ids < 0)[0])
+            raise RecordError(f"{where}: token id {int(self.token_ids[i])} at flat index {i} is negative")
+        vocab = self.vocab_size()
+        if vocab is not None:
+            if self.token_ids.size and self.token_ids.max() >= vocab:
+                raise RecordError(f"{where}: token id {int(self.token_ids.max())} is outside the vocabulary "
+                                  f"(size {vocab})")
+            if p and self.topk_ids.max() >= vocab:
+                i = int(np.argwhere(self.topk_ids >= vocab)[0][0])
+                raise RecordError(f"{at(i)}: top-k id {int(self.topk_ids[i].max())} is outside the vocabulary "
+                                  f"(size {vocab})")
+        if not p:
+            return
+        actual = self.actual_logprob.astype(np.float64)
+        bad = np.isnan(actual) | (actual == np.inf) | (actual > LOGPROB_SLACK)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise RecordError(f"{at(i)}: actual-token logprob {float(actual[i])!r} is not a valid logprob (must be <= 0)")
+        lp = self.topk_logprobs.astype(np.float64)
+        ids = self.topk_ids
+        bad = np.isnan(lp) | (lp == np.inf) | (lp > LOGPROB_SLACK)
+        if bad.any():
+            i, j = (int(x) for x in np.argwhere(bad)[0])
+            raise RecordError(f"{at(i)}: top-{j + 1} logprob {float(lp[i, j])!r} is not a valid logprob (must be <= 0)")
+        pad = ids < 0
+        if np.any(ids < -1):
+            i, j = (int(x) for x in np.argwhere(ids < -1)[0])
+            raise RecordError(f"{at(i)}: top-{j + 1} id {int(ids[i, j])} is negative (only -1 marks padding)")
+        if (pad & np.isfinite(lp)).any():
+            i, j = (int(x) for x in np.argwhere(pad & np.isfinite(lp))[0])
+            raise RecordError(f"{at(i)}: padded top-k slot {j} carries a finite logprob")
+        if self.k > 1:
+            rising = np.diff(np.where(pad, -np.inf, lp), axis=1) > 1e-9
+            if rising.any():
+                i, j = (int(x) for x in np.argwhere(rising)[0])
+                raise RecordError(f"{at(i)}: top-k logprobs are not in rank order at slot {j + 1}")
+            keyed = np.sort(np.where(pad, -1 - np.arange(self.k), ids), axis=1)
+            dup = np.diff(keyed, axis=1) == 0
+            if dup.any():
+                i = int(np.argwhere(dup)[0][0])
+                raise RecordError(f"{at(i)}: duplicate id in top-k")
+        if np.any(self.actual_rank < 1):
+            i = int(np.flatnonzero(self.actual_rank < 1)[0])
+            raise RecordError(f"{at(i)}: actual-token rank {int(self.actual_rank[i])}; ranks start at 1")
+        if self.logsumexp is not None and np.isnan(self.logsumexp).any():
+            i = int(np.flatnonzero(np.isnan(self.logsumexp))[0])
+            raise RecordError(f"{at(i)}: logsumexp is NaN")

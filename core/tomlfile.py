@@ -12,7 +12,7 @@ def read_toml(path: str | os.PathLike, what: str, error: type[Exception]) -> dic
     """Parse ``path``; a missing or malformed file raises ``error`` naming ``what`` and the path."""
     p = Path(path)
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{what} {p} does not exist") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -6,6 +6,23 @@ import importlib
 
 import typer
 
+def _flags_take_no_value() -> None:
+    """typer 0.29 prints `<bool>` beside every flag (--help included) as if it took a value; show none."""
+    from typer.core import TyperOption
+
+    if getattr(TyperOption.display_type_rich, "_ds41_flag_aware", False):
+        return
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich._ds41_flag_aware = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
 app = typer.Typer(help="ds41-gates: gate LLM serving engine changes against an fp32 oracle.",
                   no_args_is_help=True, add_completion=False)
 
@@ -48,5 +65,29 @@ for module_name, attr, name in SUB_APPS:
         app.command(name=name)(sub)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The console entry point: a user error is one line on stderr and exit code 2, with every known
+    secret redacted; any other exception is a harness bug and keeps its traceback."""
+    import sys
+
+    from core.errors import UserError, one_line
+    from core.redact import redact
+
+    try:
+        app(args=argv, prog_name="ds41gate", standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except UserError as exc:
+        print(f"error: {redact(one_line(exc))}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        if not exc.filename:
+            raise
+        # a file or folder the user named cannot be read or written (unwritable --out, missing input)
+        print(f"error: {redact(str(exc.filename))}: {redact(exc.strerror or str(exc))}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    app()
+    raise SystemExit(main())

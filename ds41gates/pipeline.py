@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from core.paths import cache_dir
-from core.records import Record, RecordMismatch
+from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
 from engine.models import default_model_dir
 
@@ -50,7 +50,11 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K) -> tup
 
     path = reference_path(encoded, model_hash(model_dir), top_k)
     if path.exists():
-        ref = Record.load(path)
+        try:
+            ref = Record.load(path)
+        except RecordError as exc:
+            raise RecordError(f"{exc} — this is the cached oracle reference; delete it to rebuild: rm {path}") \
+                from None
         if ref.provenance.panel_hash == encoded.panel_hash and ref.provenance.tokenizer_hash == encoded.tokenizer_hash:
             _echo(f"oracle reference (cached): {path}")
             return ref, path

@@ -45,12 +45,26 @@ def _requires_engines() -> bool:
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     report = outcome.get_result()
+    _redact_report(report)
     if item.get_closest_marker("gate"):
         _note_gate_outcome(item, call, report)
     expected_failure = hasattr(report, "wasxfail")  # a documented known issue, not a skip
     if report.skipped and not expected_failure and _requires_engines() and (
             item.get_closest_marker("engine") or item.get_closest_marker("gate")):
         _skipped_required.append(f"{item.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
+
+
+def _redact_report(report) -> None:
+    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key):
+    the printed text goes through the one redaction; left as it was when it holds no secret."""
+    if report.longrepr is None:
+        return
+    from core.redact import redact
+
+    text = str(report.longrepr)
+    clean = redact(text)
+    if clean != text:
+        report.longrepr = clean
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -89,6 +103,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from core.errors import UserError
+
 
 @dataclasses.dataclass
 class GateRun:
@@ -104,9 +120,10 @@ class GateRun:
 
     def add(self, gate: str, data: dict) -> None:
         from core.atomic import write_json_atomic
+        from core.redact import redact_data
 
         self.results[gate] = data
-        write_json_atomic(self.out_dir / "results.json", self.results)
+        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
 
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self.report_sections[title] = {"rows": rows, "note": note}
@@ -114,10 +131,11 @@ class GateRun:
     def mark(self, nodeid: str, outcome: dict) -> None:
         """Record one gate's outcome (passed / failed / error / skipped) in results.json at once."""
         from core.atomic import write_json_atomic
+        from core.redact import redact_data
 
         self.outcomes[nodeid] = outcome
         self.results[OUTCOMES_KEY] = dict(self.outcomes)
-        write_json_atomic(self.out_dir / "results.json", self.results)
+        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
 
     def errored(self) -> list[str]:
         return [n for n, o in self.outcomes.items() if o["outcome"] == "error"]
@@ -151,8 +169,17 @@ def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
 
     path = _opt(request.config, "--reference")
     if path:
-        ref = Record.load(path)
+        try:
+            ref = Record.load(path)
+        except UserError as exc:
+            _stop_for_user_error(f"--reference {path}: {exc}")
+        if ref.provenance.side != "oracle":
+            _stop_for_user_error(f"--reference {path}: is an {ref.provenance.side} record; the reference must be "
+                                 "an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
+        url = _opt(request.config, "--engine-url")
+        if url:
+            _require_default_model(request.config, url)   # before minutes of building a reference
         model_dir = pipeline.default_model_dir()
         encoded = pipeline.encode_default_panel(_opt(request.config, "--panel") or pipeline.DEFAULT_PANEL, model_dir)
         ref, _ = pipeline.ensure_reference(encoded, model_dir)
@@ -167,12 +194,120 @@ def encoded_panel(panel_reference):
     return encoded_from_record(panel_reference)
 
 
+def _stop_for_user_error(message: str):
+    """A bad option or input file: one line and exit code 2 before any gate runs, never a traceback per gate."""
+    from core.errors import one_line
+    from core.redact import redact
+
+    pytest.exit(f"error: {redact(one_line(message))}", returncode=2)
+
+
+def _warn(config: pytest.Config, message: str) -> None:
+    """Loud even under -q: straight to the terminal (a warnings-summary entry is easy to miss)."""
+    import sys
+
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        with _uncaptured(config):
+            tr.ensure_newline()
+            tr.write_line(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
+    else:
+        print(f"ds41-gates WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _uncaptured(config: pytest.Config):
+    """Output capture off for a moment: fixtures run captured, and the terminal reporter's stream is fd 1."""
+    import contextlib
+
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
+
+
+def _served_models(url: str, root: str, headers: dict) -> list[str]:
+    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL."""
+    import httpx
+
+    try:
+        resp = httpx.get(root + "/v1/models", timeout=30, headers=headers)
+    except httpx.HTTPError as exc:
+        _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models "
+                             f"({type(exc).__name__}: {exc})")
+    if resp.status_code != 200:
+        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if resp.status_code in (401, 403) else ""
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {resp.status_code}{hint}")
+    try:
+        listing = resp.json()
+    except ValueError:
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
+                             f"{resp.headers.get('content-type', '?')!r}); is this an OpenAI-compatible server?")
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
+                             '({"data": [{"id": ...}, ...]})')
+    if not data:
+        _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
+    return [m["id"] for m in data]
+
+
+_terminal_echo = None
+
+
+def _launcher_echo(line: str) -> None:
+    """The launcher's progress on the terminal even under -q and output capture (an engine start takes minutes)."""
+    import sys
+
+    if _terminal_echo is not None:
+        _terminal_echo(f"[engine.launcher] {line}")
+    else:
+        print(f"[engine.launcher] {line}", file=sys.stderr, flush=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _terminal_echo
+    config = session.config
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        def echo(line: str) -> None:
+            with _uncaptured(config):
+                tr.ensure_newline()
+                tr.write_line(line)
+
+        _terminal_echo = echo
+
+
+def _require_default_model(config: pytest.Config, url: str, models: list[str] | None = None) -> None:
+    """Without --reference the embedded SmolLM2 reference is used: say so, and refuse an engine serving
+    another model."""
+    import os
+
+    if not getattr(config, "_ds41_default_reference_announced", False):
+        config._ds41_default_reference_announced = True
+        _warn(config, "--engine-url without --reference: gating against the embedded SmolLM2 reference of the "
+                      "default panel with the loose [profiles.default] bands; pass --reference for your model "
+                      "(refused when the engine serves another model)")
+
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.launcher import load_profile
+
+    if models is None:
+        key = os.environ.get("DS41_ENGINE_API_KEY")
+        root = url.rstrip("/").removesuffix("/v1")
+        models = _served_models(url, root, {"Authorization": f"Bearer {key}"} if key else {})
+    default_model = load_profile(DEFAULT_PROFILE).served_model
+    if default_model not in models:
+        _stop_for_user_error(
+            f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
+            "reference is used without --reference; pass --reference with the served model's oracle reference")
+
+
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
     """Start a server from a shipped profile (they all serve the embedded default model)."""
     from engine import endpoint
     from engine.models import default_model_dir
 
-    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides)
+    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides,
+                                    echo=_launcher_echo)
 
 
 @pytest.fixture(scope="session")
@@ -190,17 +325,17 @@ def engine_endpoint(request: pytest.FixtureRequest):
     url = _opt(request.config, "--engine-url")
     profile = _opt(request.config, "--engine-profile")
     if url:
-        import httpx
+        from core.redact import register_url_credentials
 
+        register_url_credentials(url)
         root = url.rstrip("/").removesuffix("/v1")
         import os
 
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        listing = httpx.get(root + "/v1/models", timeout=30, headers=headers).json()
-        models = [m["id"] for m in listing.get("data", [])]
-        if not models:
-            raise pytest.UsageError(f"--engine-url {url}: /v1/models lists no model")
+        models = _served_models(url, root, headers)
+        if not _opt(request.config, "--reference"):
+            _require_default_model(request.config, url, models)
         kind = "vllm"
         if profile:
             from engine.launcher import load_profile

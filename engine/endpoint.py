@@ -38,6 +38,7 @@ class EngineEndpoint:
     env_flags: Mapping[str, str] = field(default_factory=dict)
     vocab_size: int | None = None  # lets adapters ask for the full distribution (llama.cpp servers)
     tokenizer_dir: str | None = None  # the served model's tokenizer, for text-only engines (llama-cpp-python)
+    api_key: str | None = field(default=None, repr=False)   # a launched server's own key (never printed)
 
 
 def text_of_ids(tokenizer_dir: str | os.PathLike):
@@ -81,7 +82,7 @@ def client_for(endpoint: EngineEndpoint, max_concurrency: int = 1):
     from engine.client import ClientConfig, EngineClient
 
     return EngineClient(ClientConfig(base_url=endpoint.base_url, model=endpoint.model,
-                                     api_key=os.environ.get("DS41_ENGINE_API_KEY", "unused"),
+                                     api_key=endpoint.api_key or os.environ.get("DS41_ENGINE_API_KEY") or "unused",
                                      max_concurrency=max_concurrency),
                         adapter=adapter_for(endpoint.engine, endpoint.vocab_size, endpoint.tokenizer_dir))
 
@@ -159,13 +160,15 @@ def endpoint_for_server(server, profile, model_dir: str | os.PathLike, flags=())
     """The endpoint of a server started from a profile that serves the model in `model_dir`."""
     return EngineEndpoint(server.base_url, server.served_model, profile.name, engine=profile.engine,
                           flags=tuple(flags), precision=precision_of(profile),
-                          vocab_size=model_vocab_size(model_dir), tokenizer_dir=str(model_dir))
+                          vocab_size=model_vocab_size(model_dir), tokenizer_dir=str(model_dir),
+                          api_key=getattr(server, "api_key", None))
 
 
-def launch_endpoint(profile_name: str, model_dir: str | os.PathLike, flags=(), overrides=None):
-    """Start a server from a profile; returns (server, endpoint). The caller stops the server."""
+def launch_endpoint(profile_name: str, model_dir: str | os.PathLike, flags=(), overrides=None, echo=None):
+    """Start a server from a profile; returns (server, endpoint). The caller stops the server.
+    `echo(line)` receives the launcher's progress (default: stderr)."""
     from engine.launcher import EngineServer, load_profile
 
     prof = load_profile(profile_name)
-    server = EngineServer(prof, overrides=overrides, flags=flags).start()
+    server = EngineServer(prof, overrides=overrides, flags=flags, echo=echo).start()
     return server, endpoint_for_server(server, prof, model_dir, flags)

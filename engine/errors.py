@@ -50,6 +50,12 @@ class Malformed(str, enum.Enum):
 class EngineError(Exception):
     """Base of every error the engine client raises."""
 
+    def __str__(self) -> str:
+        # an engine may echo the request's key in its error body, and the URL may carry user:password@
+        from core.redact import redact
+
+        return redact(super().__str__())
+
 
 class EngineResponseError(EngineError):
     """The engine answered, but the answer is malformed. Names kind, sequence and position."""

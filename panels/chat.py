@@ -24,10 +24,11 @@ from typing import Any, Protocol, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from core.errors import UserError
 from panels.model import Message, PanelItem, ToolSpec
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(UserError, ValueError):
     """A transcript cannot be rendered faithfully by this chat format."""
 
 

@@ -9,16 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-DOMAINS: tuple[str, ...] = (
-    "code",
-    "math",
-    "agentic",
-    "knowledge",
-    "multilingual",
-    "chat",
-    "writing",
-    "structured",
-)
+from core.domains import DOMAINS
+from core.errors import UserError
+
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
@@ -30,7 +23,7 @@ ScorePolicy = Literal["all", "assistant", "last"]
 SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last")
 
 
-class PanelError(ValueError):
+class PanelError(UserError, ValueError):
     """A panel file, manifest or item is malformed. The message names the file and line."""
 
 

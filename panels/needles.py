@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from core.errors import UserError
 from panels.model import Message
 from panels.tokenizers import PanelTokenizer
 
@@ -87,7 +88,7 @@ _SEP = "\n\n"
 _MARK = "\u2063HAYSTACK\u2063"
 
 
-class NeedleError(ValueError):
+class NeedleError(UserError, ValueError):
     pass
 
 

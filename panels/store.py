@@ -169,9 +169,13 @@ def parse_jsonl(path: Path) -> tuple[PanelItem, ...]:
     items: list[PanelItem] = []
     seen: dict[str, int] = {}
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # JSONL lines end at "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085, which JSON
+        # allows raw inside strings, so it would refuse valid panels
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise PanelError(f"{path}: not UTF-8 ({e})") from e
+    except OSError as e:
+        raise PanelError(f"{path}: cannot read the panel ({e.strerror or e})") from e
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -180,6 +184,11 @@ def parse_jsonl(path: Path) -> tuple[PanelItem, ...]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise PanelError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PanelError(f"{where}: text holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), "
+                             "which is not a character") from None
         item = parse_item(obj, where)
         if item.id in seen:
             raise PanelError(f"{where}: duplicate id '{item.id}' (first on line {seen[item.id]})")
@@ -197,6 +206,10 @@ def parse_jsonl(path: Path) -> tuple[PanelItem, ...]:
 def _read_manifest(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise PanelError(f"{path}: manifest is not UTF-8 (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise PanelError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise PanelError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
     if not isinstance(obj, dict):

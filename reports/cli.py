@@ -14,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from core.errors import UserError, one_line
 from core.records import Record, RecordError
-from reports.render import ReportError, build_report, fmt, fmt_ci, fmt_p, fmt_pct
+from core.redact import redact
+from reports.render import build_report, fmt, fmt_ci, fmt_p, fmt_pct
 
 
 def default_labels(paths: list[Path]) -> list[str]:
@@ -26,6 +28,14 @@ def default_labels(paths: list[Path]) -> list[str]:
         seen[stem] = seen.get(stem, 0) + 1
         labels.append(stem if seen[stem] == 1 else f"{stem}#{seen[stem]}")
     return labels
+
+
+def require_side(rec: Record, side: str, path: Path, argument: str) -> None:
+    """A record given in the wrong place (engine as reference, oracle as engine) is refused: swapped, it
+    would still give a number."""
+    if rec.provenance.side != side:
+        raise RecordError(f"{path}: {argument} must be an {side} record, this one was written by the "
+                          f"{rec.provenance.side} side (are REFERENCE and ENGINE swapped?)")
 
 
 def summary_table(data: dict) -> Table:
@@ -72,21 +82,30 @@ def report_app(
 ) -> None:
     """Score engine records against a reference record and write the panel report (JSON, Markdown, HTML)."""
     console = Console()
-    err = Console(stderr=True)
     labels = list(label) if label else default_labels(list(engine_records))
     if len(labels) != len(engine_records):
         raise typer.BadParameter(f"{len(labels)} --label value(s) for {len(engine_records)} engine record(s); "
                                  "give one per record or none", param_hint="--label")
     try:
         ref = Record.load(reference)
-        engines = [(lb, Record.load(p)) for lb, p in zip(labels, engine_records)]
+        require_side(ref, "oracle", reference, "REFERENCE")
+        engines = []
+        for lb, p in zip(labels, engine_records):
+            rec = Record.load(p)
+            require_side(rec, "engine", p, "ENGINE")
+            engines.append((lb, rec))
         floor = None
         if noise_floor is not None:
             floor_rec = Record.load(noise_floor)
             floor = (f"oracle {floor_rec.provenance.precision}", floor_rec)
         paths = build_report(ref, engines, out, n_boot=n_boot, seed=seed, noise_floor=floor)
-    except (RecordError, ReportError) as exc:
-        err.print(Text(f"error: {exc}", style="bold red"))
+    except UserError as exc:
+        typer.echo(f"error: {redact(one_line(exc))}", err=True)
+        raise typer.Exit(code=2)
+    except OSError as exc:
+        if not exc.filename:
+            raise
+        typer.echo(f"error: {exc.filename}: {exc.strerror or exc} (--out {out})", err=True)
         raise typer.Exit(code=2)
     data = json.loads(paths.json.read_text(encoding="utf-8"))
     console.print(summary_table(data))

@@ -49,7 +49,7 @@ def domain_kl(data: dict) -> str:
     ax = fig.add_subplot()
     x = np.arange(len(domains))
     offs = _offsets(len(data["engines"]), 0.5)
-    positive = True
+    positive, any_finite = True, False   # a log axis needs one finite positive value to place itself
     for off, eng in zip(offs, data["engines"]):
         s = [eng["metrics"]["domains"][d]["kl_part"] for d in domains]
         mean = np.array([_num(v["mean"]) for v in s])
@@ -57,11 +57,14 @@ def domain_kl(data: dict) -> str:
         hi = np.array([_num(v["ci_high"]) for v in s])
         err = np.vstack([np.nan_to_num(mean - lo), np.nan_to_num(hi - mean)]).clip(min=0)
         positive &= bool(np.all((mean[np.isfinite(mean)] > 0)) and np.all(lo[np.isfinite(lo)] > 0))
+        any_finite |= bool(np.isfinite(mean).any())
         ax.errorbar(x + off, mean, yerr=err, fmt="o", capsize=3, label=mpl_text(eng["label"]))
     ax.set_xticks(x, [mpl_text(d) for d in domains], rotation=30, ha="right")
     ax.set_ylabel("KL_part (nats), mean ± 95% CI")
-    if positive:
+    if positive and any_finite:
         ax.set_yscale("log")
+    if not any_finite:
+        ax.text(0.5, 0.5, "no finite KL_part (every position a hard fail)", transform=ax.transAxes, ha="center")
     ax.set_title("Per-domain KL_part")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
@@ -73,6 +76,7 @@ def kl_cdf(results: Sequence[Any]) -> str:
     fig = Figure(figsize=(6.5, 3.8))
     ax = fig.add_subplot()
     probs = np.linspace(0.0, 1.0, CDF_POINTS)
+    drawn = False
     for res in results:
         pm = res.panel.positions
         v = pm.kl_part[np.isfinite(pm.kl_part) & ~pm.ambiguous]
@@ -80,7 +84,11 @@ def kl_cdf(results: Sequence[Any]) -> str:
             continue
         q = np.quantile(v, probs)
         ax.plot(np.maximum(q, KL_DISPLAY_FLOOR), probs, label=mpl_text(res.label))
-    ax.set_xscale("log")
+        drawn = True
+    if drawn:
+        ax.set_xscale("log")
+    else:
+        ax.text(0.5, 0.5, "no finite KL_part (every position a hard fail)", transform=ax.transAxes, ha="center")
     ax.set_xlabel(f"KL_part (nats; values below {KL_DISPLAY_FLOOR:g} drawn at it)")
     ax.set_ylabel("fraction of positions ≤ x")
     ax.set_title("KL_part CDF")
@@ -106,7 +114,7 @@ def buckets(data: dict) -> str:
         ax_kl.plot(x + off, mean, "o-", color=color, label=mpl_text(eng["label"]) + " mean")
         ax_kl.plot(x + off, median, "s--", color=color, mfc="none", label=mpl_text(eng["label"]) + " median")
         ax_t1.plot(x + off, top1, "o-", color=color, label=mpl_text(eng["label"]))
-        any_positive |= bool(np.any(mean > 0))
+        any_positive |= bool(np.any(np.isfinite(mean) & (mean > 0)))
     for ax in (ax_kl, ax_t1):
         ax.set_xticks(x, labels)
         ax.set_xlabel("reference top-1 probability")

@@ -43,16 +43,18 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import numpy as np
 
+from core.errors import UserError
 from core import metrics
 from core.atomic import atomic_write_text
 from core.records import Record
+from core.redact import redact_data
 
 REPORT_FORMAT = "ds41-report/1"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAIRED_METRICS = ("kl_part", "nll_eng")
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """The report cannot be built from these inputs; the message says which input."""
 
 
@@ -112,6 +114,12 @@ def evaluate(reference: Record, engines: Sequence[tuple[str, Record]], n_boot: i
     dupes = sorted({lb for lb in labels if labels.count(lb) > 1})
     if dupes:
         raise ReportError(f"engine record labels must be unique; repeated: {dupes}")
+    reference._check_consistent("reference record")
+    if reference.n_positions == 0:
+        raise ReportError("reference record scores no position (every sequence has a single token or none is "
+                          "scored): there is nothing to compare")
+    for label, rec in engines:
+        rec._check_consistent(f"engine record {label!r}")
     out = []
     for label, rec in engines:
         try:
@@ -393,7 +401,7 @@ def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: 
 
     results = evaluate(reference, engines, n_boot, seed)
     floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
-    data = report_data(reference, results, extra, n_boot, seed, title, floor)
+    data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor))
     images = plots.render_all(data, results)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")

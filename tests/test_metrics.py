@@ -274,15 +274,16 @@ def test_token_id_mismatch_names_sequence_and_position():
         metrics.position_metrics(ref, eng)
 
 
-def test_nan_in_loaded_record_is_refused_by_metrics(tmp_path):
+def test_nan_in_record_is_refused_on_load_and_by_metrics(tmp_path):
     rng = np.random.default_rng(11)
     ref, eng, _ = pair_of_records(rng, n_seq=1, length=5, vocab=20, k_ref=20, k_eng=3)
     eng.topk_logprobs = eng.topk_logprobs.copy()
     eng.topk_logprobs[2, 1] = np.nan
     eng.save(tmp_path / "e.safetensors")
-    loaded = Record.load(tmp_path / "e.safetensors")
+    with pytest.raises(RecordError, match=r"e.safetensors: sequence 's0' position 3: top-2 logprob nan"):
+        Record.load(tmp_path / "e.safetensors")
     with pytest.raises(RecordError, match=r"engine record: sequence 's0' position 3"):
-        metrics.position_metrics(ref, loaded)
+        metrics.position_metrics(ref, eng)     # a record built in memory still meets the metrics' own check
 
 
 # ----------------------------------------------------------------------------- both backends vs an exactly rounded reference

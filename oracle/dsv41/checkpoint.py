@@ -32,6 +32,8 @@ from safetensors import safe_open
 from . import formats as F
 from .config import ModelConfig
 
+from core.errors import UserError
+
 INDEX_NAME = "model.safetensors.index.json"
 PLAN_NAME = "exl3_moe_plan.json"
 PROVENANCE_FORMAT = "ds41-provenance/1"
@@ -41,7 +43,7 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """Every problem found while validating or reading a checkpoint/build, in one message."""
 
     def __init__(self, where: str, problems: list[str]):

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from core.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A config.json key that is unknown, of the wrong type or inconsistent; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -86,25 +93,25 @@ class ModelConfig:
     def __post_init__(self):
         n_all = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) != n_all:
-            raise ValueError(
+            raise ConfigError(
                 f"config: compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + "
                 f"n_mtp_layers = {n_all}")
         if self.n_heads % self.o_groups:
-            raise ValueError(f"config: n_heads {self.n_heads} not divisible by o_groups {self.o_groups}")
+            raise ConfigError(f"config: n_heads {self.n_heads} not divisible by o_groups {self.o_groups}")
         if self.rope_head_dim % 2 or self.rope_head_dim > min(self.head_dim, self.index_head_dim):
-            raise ValueError(f"config: rope_head_dim {self.rope_head_dim} must be even and <= head dims")
+            raise ConfigError(f"config: rope_head_dim {self.rope_head_dim} must be even and <= head dims")
         if self.n_shared_experts != 1:
-            raise ValueError(f"config: n_shared_experts must be 1 (got {self.n_shared_experts})")
+            raise ConfigError(f"config: n_shared_experts must be 1 (got {self.n_shared_experts})")
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
-            raise ValueError("config: engram_layer_ids and engram_num_embeddings differ in length")
+            raise ConfigError("config: engram_layer_ids and engram_num_embeddings differ in length")
         for L in range(self.n_layers):
             r = self.compress_ratios[L]
             if r > 0 and self.kv_source_for(L) is None:
-                raise ValueError(f"config: layer {L} (ratio {r}) has no preceding KV source of ratio {r}")
+                raise ConfigError(f"config: layer {L} (ratio {r}) has no preceding KV source of ratio {r}")
             if r > 0 and self.index_source_for(L) is None:
-                raise ValueError(f"config: layer {L} (ratio {r}) has no preceding index source")
+                raise ConfigError(f"config: layer {L} (ratio {r}) has no preceding index source")
         if self.candidate_source_layer >= 0 and self.candidate_source_layer not in self.index_source_layers:
-            raise ValueError(f"config: candidate source {self.candidate_source_layer} is not an index source")
+            raise ConfigError(f"config: candidate source {self.candidate_source_layer} is not an index source")
 
     # ---- derived (§2.3, §3) -----------------------------------------------------------------
     @property
@@ -172,7 +179,7 @@ class ModelConfig:
 
         def put(key, value, src):
             if key in out and out[key] != value:
-                raise ValueError(f"config: {src} gives {key}={value!r} but another key gave {out[key]!r}")
+                raise ConfigError(f"config: {src} gives {key}={value!r} but another key gave {out[key]!r}")
             out[key] = value
 
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
@@ -182,7 +189,7 @@ class ModelConfig:
                 put(_HF_KEYS[k], v, k)
             elif k == "rope_scaling" and isinstance(v, dict):
                 if v.get("rope_type", v.get("type")) not in ("yarn", None):
-                    raise ValueError(f"config: rope_scaling type {v.get('rope_type')!r} is not yarn")
+                    raise ConfigError(f"config: rope_scaling type {v.get('rope_type')!r} is not yarn")
                 for hk, ik in (("factor", "rope_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
                                ("original_max_position_embeddings", "original_seq_len")):
                     if hk in v:
@@ -193,23 +200,36 @@ class ModelConfig:
                 extra[k] = v
             elif k in names:
                 put(k, v, k)
-            else:
+            elif k in _METADATA_KEYS or k.startswith("ds41_"):   # the harness's own marks (tiny builds)
                 extra[k] = v
+            else:
+                hint = difflib.get_close_matches(k, sorted(names | set(_HF_KEYS)), n=1)
+                raise ConfigError(f"config: unknown key {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                  + "; allowed: the model keys of dsv41-architecture.md §2.1/§2.2 and HF metadata "
+                                    f"keys {sorted(_METADATA_KEYS)}")
+        if "n_layers" not in out:
+            raise ConfigError("config: n_layers (HF: num_hidden_layers) is missing; every other size depends on it")
         if out.get("dtype") in ("bfloat16",):  # the HF top-level dtype is the storage default, not the scheme
             extra["hf_dtype"] = out.pop("dtype")
         for k, v in list(out.items()):
             if isinstance(v, list):
                 out[k] = tuple(v)
+            _check_type(k, out[k], getattr(_DEFAULTS, k))
         return cls(**out, extra=extra)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"config: cannot read {path}: {e}") from e
-        return cls.from_dict(d)
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"config: cannot read {path}: {e}") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"config: {path} must hold a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
     def release(cls) -> "ModelConfig":
@@ -262,3 +282,43 @@ _HF_KEYS = {
     "dspark_num_experts_per_tok": "dspark_n_activated_experts",
     "n_routed_experts": "n_routed_experts",
 }
+
+
+# Keys of a real config.json that describe the file or other parts of the model, not the text model the
+# oracle computes (dsv41-architecture.md §2.2); kept in `extra`. Anything else unknown is a typo.
+_METADATA_KEYS = {
+    "architectures", "model_type", "torch_dtype", "transformers_version", "auto_map", "_name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "vision_config", "num_key_value_heads",
+    "max_position_embeddings", "topk_method", "hidden_act", "tie_word_embeddings", "use_cache",
+    "initializer_range", "attention_bias", "attention_dropout", "hf_dtype",
+}
+
+_DEFAULTS = ModelConfig()
+
+
+def _check_type(key: str, value: Any, default: Any) -> None:
+    """A value must have its field's type: a string where a number belongs is named here, not deep in torch."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if value is None and key == "expert_dtype":
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        want = "true or false"
+    elif isinstance(default, int):
+        ok = is_int(value)
+        want = "an integer"
+    elif isinstance(default, float):
+        ok = (is_int(value) or isinstance(value, float)) and value == value
+        want = "a number"
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+        want = "a string"
+    elif isinstance(default, tuple):
+        ok = isinstance(value, tuple) and all(is_int(v) for v in value)
+        want = "a list of integers"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"config: {key} = {value!r:.60} must be {want}")

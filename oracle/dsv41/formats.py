@@ -23,8 +23,10 @@ import numba
 import numpy as np
 import torch
 
+from core.errors import UserError
 
-class FormatError(ValueError):
+
+class FormatError(UserError, ValueError):
     """A tensor (set) that does not decode under the rules of weight-formats.md."""
 
 

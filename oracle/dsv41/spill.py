@@ -26,12 +26,15 @@ from typing import Callable
 import numpy as np
 
 from core.atomic import fsync_dir
+from core.errors import UserError
 
 Hook = Callable[[str], None]
+RESTART_HINT = ("; the saved state of the interrupted run is damaged: run the same command with --restart to "
+                "start over")
 CHUNK = 8 << 20  # bytes per write/read call (and between the 'half written' fault points)
 
 
-class SpillError(RuntimeError):
+class SpillError(UserError, RuntimeError):
     """An activation file is missing, short, or does not hash to what the manifest says."""
 
 
@@ -119,10 +122,11 @@ class StageReader:
     def open_verified(cls, path: Path, table: list[dict], sha256: str) -> "StageReader":
         path = Path(path)
         if not path.is_file():
-            raise SpillError(f"{path}: the manifest names this activation file but it does not exist")
+            raise SpillError(f"{path}: the manifest names this activation file but it does not exist{RESTART_HINT}")
         got = file_sha256(path)
         if got != sha256:
-            raise SpillError(f"{path}: SHA-256 {got[:16]}... does not match the manifest's {sha256[:16]}...")
+            raise SpillError(f"{path}: SHA-256 {got[:16]}... does not match the manifest's {sha256[:16]}..."
+                             f"{RESTART_HINT}")
         return cls(path, table)
 
     def get(self, i: int) -> tuple[dict[str, np.ndarray], dict]:
@@ -143,7 +147,8 @@ class StageReader:
             while done < len(view):
                 n = os.preadv(self._fd, [view[done:done + CHUNK]], offset + done)
                 if n <= 0:
-                    raise SpillError(f"{self.path}: short read of {name} for sequence {i} at byte {offset + done}")
+                    raise SpillError(f"{self.path}: short read of {name} for sequence {i} at byte {offset + done}"
+                                     f"{RESTART_HINT}")
                 done += n
             out[name] = a
         return out, entry["meta"]
