@@ -1,0 +1,172 @@
+"""The floor plan of docs/DESIGN.md, held against the code: every import points down, and no two
+modules of the house import each other (directly or round a longer circle).
+
+Imports are read from the source with `ast` (function-level imports included: a lazy import is still
+an arrow), so the rule holds for code that is never executed in a test run too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Lowest floor first. A package may import from packages on lower floors and from itself; nothing on
+# its own floor or above. docs/DESIGN.md draws the same table.
+FLOORS: list[tuple[str, ...]] = [
+    ("core",),        # records, metrics, bands, verdicts, atomic writes, version
+    ("panels",),      # panel data, encodings, needles, bench sets
+    ("oracle",),      # the references: generic fp32 transformers oracle, the DeepSeek-V4.1 oracle
+    ("engine",),      # the engine under test: client, adapters, launcher, kernels run in-process
+    ("reports",),     # JSON / Markdown / HTML rendering of metrics
+    ("nightly",),     # flag registry, flag A/B statistics, the nightly matrix and its history
+    ("gates",),       # the gate suite behind `pytest -m gate`
+    ("ds41gates",),   # wiring: CLI, pipeline, pytest plugin, demo
+]
+FLOOR_OF = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
+
+
+def house_modules(root: Path = REPO) -> dict[str, Path]:
+    """module name → file, for every Python file of the house's packages."""
+    out = {}
+    for pkg in FLOOR_OF:
+        base = root / pkg
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(module: str, path: Path) -> list[tuple[str, int, tuple[str, ...]]]:
+    """Each import statement of a module: the absolute module it names (relative imports resolved), its
+    line, and the names taken from it (`from pkg import submodule` names a module too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def upward_imports(root: Path = REPO) -> list[str]:
+    problems = []
+    for module, path in house_modules(root).items():
+        own = FLOOR_OF[module.split(".")[0]]
+        for target, line, _ in imports_of(module, path):
+            top = target.split(".")[0]
+            if top in FLOOR_OF and top != module.split(".")[0] and FLOOR_OF[top] >= own:
+                problems.append(f"{path.relative_to(root)}:{line}: {module.split('.')[0]} (floor {own}) "
+                                f"imports {target} (floor {FLOOR_OF[top]})")
+    return problems
+
+
+def import_circles(root: Path = REPO) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (Tarjan)."""
+    modules = house_modules(root)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        edges = set()
+        for target, _, names in imports_of(module, path):
+            for imported in [f"{target}.{n}" for n in names] or [target]:
+                # the longest known module that the imported name lies in
+                name = imported
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                # a package's own __init__ is above its submodules, not a dependency of theirs
+                if name and name != module and not module.startswith(name + "."):
+                    edges.add(name)
+        graph[module] = edges
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_every_import_points_down():
+    assert upward_imports() == []
+
+
+def test_no_import_circles():
+    assert import_circles() == []
+
+
+def test_the_core_imports_nothing_above_it_and_the_oracle_never_the_engine():
+    # the two rules the design names first, spelled out so a failure reads as the rule it breaks
+    problems = upward_imports()
+    assert [p for p in problems if p.split(": ")[1].startswith("core ")] == []
+    assert [p for p in problems if " oracle (floor" in p and "imports engine" in p] == []
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("core/records.py", "from engine.client import EngineClient\n", "core (floor 0) imports engine.client"),
+    ("oracle/hf.py", "def f():\n    from engine import endpoint\n", "oracle (floor 2) imports engine"),
+    ("panels/store.py", "from core.records import Record\n", None),
+    ("oracle/dsv41/model.py", "from ..hf import score\n", None),  # relative, inside its own package
+    ("engine/client.py", "from reports.render import build_report\n", "engine (floor 3) imports reports.render"),
+])
+def test_the_rule_catches_a_forbidden_import(tmp_path, module, source, expected):
+    _write(tmp_path, module, source)
+    for pkg in ("core", "panels", "oracle", "oracle/dsv41", "engine", "reports"):
+        _write(tmp_path, f"{pkg}/__init__.py", "")
+    problems = upward_imports(tmp_path)
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and expected in problems[0] and problems[0].startswith(module)
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    _write(tmp_path, "oracle/__init__.py", "")
+    _write(tmp_path, "oracle/a.py", "from .b import B\n")
+    _write(tmp_path, "oracle/b.py", "def f():\n    from oracle.a import A\n")
+    _write(tmp_path, "oracle/c.py", "from oracle import a\n")
+    assert import_circles(tmp_path) == [["oracle.a", "oracle.b"]]
