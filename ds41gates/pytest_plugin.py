@@ -383,7 +383,7 @@ def _write_session_report(config: pytest.Config) -> None:
     config._ds41_report = paths
 
 
-# --------------------------------------------------------------------------- gate outcomes (reliability, issue 9)
+# --------------------------------------------------------------------------- gate outcomes
 # A gate whose test or fixture raised anything but an assertion *errored* (the engine died, hung, answered
 # malformed bytes): it neither passed nor failed. Each gate's outcome goes to results.json under
 # "gate_outcomes" the moment it is known (so a run killed later keeps it), and to a "Gate outcomes" section

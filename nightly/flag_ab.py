@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import stats
 
-from core.metrics import PairedComparison, prompt_bootstrap
+from core.metrics import PairedComparison, paired_prompt_comparison
 from nightly.flags import Thresholds
 
 MAX_LISTED = 8
@@ -162,26 +161,18 @@ def regression_rule(diff_ci_high: float, diff_mean: float, p_value: float, basel
     return beyond and significant, allowance, why
 
 
-def wilcoxon_p(diffs: np.ndarray) -> float:
-    """Two-sided Wilcoxon signed-rank p of paired differences; 1.0 when every difference is zero."""
-    return float(stats.wilcoxon(diffs).pvalue) if np.any(diffs != 0) else 1.0
-
-
 def paired_series(base: Sequence[float | None], cur: Sequence[float | None], metric: str = "kl_part",
                   n_boot: int = 2000, seed: int = 0) -> PairedComparison:
     """Per-prompt paired differences cur − base of two stored series (a prompt missing on either side is
-    dropped): the mean, core's prompt-bootstrap 95% interval (one group per prompt) and the Wilcoxon p."""
+    dropped), compared by core's paired statistics: the mean, the paired-bootstrap 95% interval and the
+    Wilcoxon p."""
     if len(base) != len(cur):
         raise ValueError(f"per-prompt series differ in length ({len(base)} vs {len(cur)}): the panel changed")
-    both = [(b, c) for b, c in zip(base, cur) if b is not None and c is not None]
-    if not both:
-        nan = float("nan")
-        return PairedComparison(metric, 0, nan, nan, nan, nan, nan, nan)
-    a, b = np.array(both, dtype=np.float64).T
-    d = b - a
-    lo, hi = prompt_bootstrap(d, np.arange(d.size), n_boot, seed)
-    return PairedComparison(metric, int(d.size), float(a.mean()), float(b.mean()), float(d.mean()), lo, hi,
-                            wilcoxon_p(d))
+    return paired_prompt_comparison(_nan_for_none(base), _nan_for_none(cur), metric, n_boot, seed)
+
+
+def _nan_for_none(series: Sequence[float | None]) -> np.ndarray:
+    return np.array([np.nan if x is None else x for x in series], dtype=np.float64)
 
 
 def paired_not_worse(paired: PairedComparison, thresholds: Thresholds) -> PairedVerdict:
