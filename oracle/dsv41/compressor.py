@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, einsum, in_f64, mm, qdq4p, sum_f64, topk_lowest_index
+from .numerics import Numerics, qdq4p, topk_lowest_index
 from .rope import apply_rope
 
 
@@ -33,7 +33,7 @@ class Compressor:
         if r == 1:  # nothing to pool: a plain bf16 linear
             return num.rmsnorm(num.linear(x, self.wkv), self.norm, eps)
         # ratio > 1 runs in fp32 with fp32 weights in the reference too (§12.2)
-        kv, score = mm(x, self.wkv), mm(x, self.wgate)
+        kv, score = num.fp32_linear(x, self.wkv), num.fp32_linear(x, self.wgate)
         b, s, _ = x.shape
         if start_pos == 0:
             cut = s - s % r
@@ -44,14 +44,15 @@ class Compressor:
             if cut == 0:
                 return None
             kv, score = kv[:, :cut].unflatten(1, (-1, r)), score[:, :cut].unflatten(1, (-1, r))
-            pooled = in_f64(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # softmax over the group, per channel
+            pooled = num.f32(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # softmax over the group, per channel
         else:
             slot = start_pos % r
             cache.carry_kv[:, slot] = kv[:, 0]
             cache.carry_score[:, slot] = score[:, 0]
             if (start_pos + 1) % r:
                 return None
-            pooled = in_f64(lambda v, z: (v * z.softmax(dim=1)).sum(dim=1, keepdim=True), cache.carry_kv, cache.carry_score)
+            pooled = num.f32(lambda v, z: (v * z.softmax(dim=1)).sum(dim=1, keepdim=True), cache.carry_kv,
+                             cache.carry_score)
         return num.rmsnorm(num.r(pooled), self.norm, eps)  # bf16 cast precedes the norm in the reference
 
 
@@ -103,9 +104,10 @@ class Indexer:
             raise RuntimeError(f"indexer layer {self.layer_id}: key cache has {index_k.shape[1]} rows, needs {G}")
         K = index_k[:, :G]
         w = num.r(num.linear(x, self.weights_proj) * (D**-0.5 * H**-0.5))
-        score = num.r(einsum("bshd,btd->bsht", q, K))
-        score = sum_f64(num.r(score.relu() * w.unsqueeze(-1)), 2)
-        score = num.r(score)  # the reference's top-k runs on bf16 scores (§5.3)
+        # bf16 tensors in the reference: q.K, relu x weight, and the sum over heads (§5.3)
+        score = num.on_bf16(lambda a, c: torch.einsum("bshd,btd->bsht", a, c), q, K)
+        score = num.r(score.relu() * w.unsqueeze(-1))
+        score = num.on_bf16(lambda t: t.sum(dim=2), score)  # the reference's top-k runs on bf16 scores
         if start_pos == 0:
             compress_lens = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]
             score = score.masked_fill(torch.arange(G) >= compress_lens, float("-inf"))

@@ -10,7 +10,6 @@ import torch
 from .attention import Attention, LayerCache, sparse_attn
 from .config import ModelConfig
 from .hyper import hc_pre
-from .numerics import mm
 from .rope import rope_cis
 
 
@@ -96,14 +95,14 @@ class DSpark:
             return None
         # forward_head (§15): the last stage's norm, the backbone head, then the Markov bias
         xc = hc_pre(x, pre, num)
-        logits = mm(num.rmsnorm(xc, self.norm, cfg.norm_eps), self.head.weight)
+        logits = num.fp32_linear(num.rmsnorm(xc, self.norm, cfg.norm_eps), self.head.weight)
         out = torch.empty(b, B + 1, dtype=torch.int64)
         out[:, 0] = tok
         embeds = []
         for i in range(B):
             e = self.markov_embed[out[:, i]]
-            logits[:, i] += mm(e, self.markov_head)
+            logits[:, i] += num.fp32_linear(e, self.markov_head)
             embeds.append(e)
             out[:, i + 1] = logits[:, i].argmax(-1)
-        conf = mm(torch.cat([xc, torch.stack(embeds, 1)], -1), self.confidence).squeeze(-1)  # x is NOT normed
+        conf = num.fp32_linear(torch.cat([xc, torch.stack(embeds, 1)], -1), self.confidence).squeeze(-1)  # x is NOT normed
         return DraftOutput(out, logits, conf)

@@ -56,6 +56,7 @@ from .hyper import hc_pre
 from .model import Block, Model, ModelState, StepContext
 from .numerics import PRECISION_MODES, Numerics, TieStats
 from .spill import StageReader, StageWriter, fsync_dir
+from .tiny import is_tiny_checkpoint
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "ds41-runner/1"
@@ -191,7 +192,7 @@ def engram_token_map(ck: Checkpoint, panel: PanelInput) -> np.ndarray | None:
     cfg = ck.model_config
     if not cfg.engram_layer_ids:
         return None
-    if "ds41_tiny" in ck.config:
+    if is_tiny_checkpoint(ck.dir):
         return tiny_token_map(cfg.vocab_size)
     if panel.tokenizer is None:
         raise RunnerError("the checkpoint has Engram layers: its compressed token map needs the tokenizer; "
