@@ -149,7 +149,7 @@ class Trace:
     picks: list = field(default_factory=list)  # (call, layer, [[set of compressed positions] per query])
     hashes: list = field(default_factory=list)  # [b, s, n_engram_layers, cols] per call
     ops: list = field(default_factory=list)  # (call, layer, op, tensor) in execution order
-    ties: list = field(default_factory=list)  # tie count per call (oracle only)
+    ties: list = field(default_factory=list)  # {site: tie count} per call (oracle only)
 
 
 def _pick_sets(idx: torch.Tensor, offset: int) -> list:
@@ -255,14 +255,15 @@ def run_oracle(m: Model, ids: torch.Tensor, n_prefill: int) -> Trace:
             m.hasher = _Recorder(m.hasher, lambda _a, out: tr.hashes.append(out[0].clone()))
 
         def step(x, start_pos):
-            before = st.num.ties.total
+            before = dict(st.num.ties.counts)
             o = m.forward(x, st)
             tr.logits.append(o.logits)
             tok = o.logits[:, -1].argmax(-1)
             d = m.mtp.forward_spec(tok, o.main_hidden, start_pos, st)
             if d is not None:
                 tr.drafts.append(d.logits)
-            tr.ties.append(st.num.ties.total - before)
+            tr.ties.append({k: v - before.get(k, 0) for k, v in st.num.ties.counts.items()
+                            if v - before.get(k, 0)})
 
         step(ids[:, :n_prefill], 0)
         for p in range(n_prefill, ids.shape[1]):
@@ -291,6 +292,7 @@ class Comparison:
     hashes_equal: bool
     ties: dict  # phase -> oracle tie count
     first_divergence: str | None
+    tie_calls: list  # (call, site) of every oracle top-k whose k-th and (k+1)-th scores were equal
 
 
 def compare(ref_tr: Trace, ora_tr: Trace) -> Comparison:
@@ -315,8 +317,9 @@ def compare(ref_tr: Trace, ora_tr: Trace) -> Comparison:
             d = float((a - b).abs().max()) if a.shape == b.shape else float("nan")
             first = f"call {c} ({'prefill' if c == 0 else f'decode {c}'}), layer {L}, {op}: max |Δ| {d:.3g}"
             break
-    ties = {"prefill": ora_tr.ties[0], "decode": sum(ora_tr.ties[1:])}
-    return Comparison(max_abs, agree, picks_equal, mism, hashes_equal, ties, first)
+    ties = {"prefill": sum(ora_tr.ties[0].values()), "decode": sum(sum(t.values()) for t in ora_tr.ties[1:])}
+    tie_calls = [(c, site) for c, t in enumerate(ora_tr.ties) for site in t]
+    return Comparison(max_abs, agree, picks_equal, mism, hashes_equal, ties, first, tie_calls)
 
 
 def conformance_case(ref, ckpt_dir: Path, ids: torch.Tensor, quirk: bool) -> Comparison:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, qdq4p, topk_lowest_index
+from .numerics import Numerics, qdq4p
 from .rope import apply_rope
 
 
@@ -65,7 +65,7 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens, topk_blocks: in
     nb = bs.shape[-1]
     last = (torch.as_tensor(compress_lens) - 1) // block
     bs = bs.masked_fill(torch.arange(nb) == last, float("inf"))
-    vals, idx = topk_lowest_index(bs, min(topk_blocks, nb), num.ties, "candidate_blocks")
+    vals, idx = num.topk(bs, min(topk_blocks, nb), "candidate_blocks")
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter_(-1, idx, vals > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
@@ -122,7 +122,7 @@ class Indexer:
                                    f"{tuple(score.shape)} was published")
             score = score.masked_fill(~shared.candidates, float("-inf"))
         k = min(cfg.index_topk, G)
-        vals, sel = topk_lowest_index(score, k, num.ties, f"indexer.{self.layer_id}")
+        vals, sel = num.topk(score, k, f"indexer.{self.layer_id}", sorted=False)
         # §18.2 decision: a pick whose score is -inf is dropped, like an unreachable one
         order = sel.sort(dim=-1)
         sel, vals = order.values, vals.gather(-1, order.indices)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .numerics import Numerics, topk_lowest_index
+from .numerics import Numerics
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -29,7 +29,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg
     else:
         raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
     # the bias picks experts but does not weight them
-    _, idx = topk_lowest_index(s + bias, k, num.ties, site)
+    _, idx = num.topk(s + bias, k, site)
     wts = s.gather(1, idx)
     if cfg.norm_topk_prob and k > 1:
         wts = wts / (num.sum(wts, -1, keepdim=True) + 1e-20)  # literally 1e-20, not norm_eps
@@ -73,9 +73,8 @@ class MoE:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         bias = self.bias
-        if image_mask is not None:
-            if self.bias_vl is None:
-                raise KeyError(f"missing checkpoint tensor {self.prefix}gate.bias_vl (needed for image tokens)")
+        # without a vision path the reference's gate has no bias_vl and routes image tokens with gate.bias
+        if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
         wts, idx = route(x, self.gate, bias, self.k, self.cfg, num, f"router.{self.layer_id}")
         y = torch.zeros_like(x)

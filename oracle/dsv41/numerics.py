@@ -206,6 +206,25 @@ class Numerics:
     # bf16), so that the same torch build on the same machine gives the reference's numbers, including their
     # dependence on how many rows share a call.
 
+    def topk(self, scores: torch.Tensor, k: int, site: str, sorted: bool = True):
+        """Top-k along the last dim -> (values, indices), ties counted per site in both modes.
+
+        fp32 mode: higher score first, then lower index (§18.3, `topk_lowest_index`). reference-bf16 mode:
+        torch.topk as the reference calls it (`sorted` as there), so equal scores are decided as the
+        reference's torch build decides them for that shape."""
+        if not self.bf16:
+            return topk_lowest_index(scores, k, self.ties, site)
+        n = scores.shape[-1]
+        if not 0 <= k <= n:
+            raise ValueError(f"topk at {site}: k={k} outside 0..{n}")
+        if 0 < k < n:
+            ranked = torch.sort(scores, dim=-1, descending=True).values
+            kth, nxt = ranked[..., k - 1], ranked[..., k]
+            tie = (kth == nxt) & torch.isfinite(kth)
+            self.ties.add(site, int(tie.sum()), int(tie.numel()))
+        out = torch.topk(scores, k, dim=-1, sorted=sorted)
+        return out.values, out.indices
+
     def f32(self, fn, *xs: torch.Tensor) -> torch.Tensor:
         """`fn` where the reference evaluates it on fp32 tensors."""
         return fn(*xs) if self.bf16 else in_f64(fn, *xs)
