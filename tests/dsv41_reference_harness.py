@@ -195,9 +195,10 @@ def run_reference(ref, model, ids: torch.Tensor, n_prefill: int, quirk: bool) ->
                 offset = inp[0].shape[1] if start_pos == 0 else model.layers[L].attn.window_size
                 tr.picks.append((call[0], L, _pick_sets(out, offset)))
             hooks.append(layer.attn.indexer.register_forward_hook(pick_hook))
-            if not quirk and not layer.attn.indexer.owns_k:
-                # quirk off: read the key cache of the latest key owner of this layer's own ratio
-                owner = max(s for s in range(L) if layers[s].attn.indexer is not None
+            if not quirk:
+                # quirk off: every index source reads the key cache of the latest key owner of its own ratio
+                # (itself for an owner), also on the steps where that owner published nothing new
+                owner = max(s for s in range(L + 1) if layers[s].attn.indexer is not None
                             and layers[s].attn.indexer.owns_k and args_ratio[s] == args_ratio[L])
 
                 def fix_keys(_m, _inp, owner=owner):

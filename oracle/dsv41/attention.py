@@ -9,7 +9,7 @@ import torch
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
 from .numerics import Numerics, qdq4e, qdq8
-from .rope import apply_rope, layer_frequencies, rope_cis
+from .rope import layer_frequencies
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -150,17 +150,17 @@ class Attention:
     def _kv(self, x, cis, num):
         """Window KV: QDQ8(rope(kv_norm(wkv(x)))) over the whole vector, RoPE tail included (§11.1)."""
         kv = num.rmsnorm(num.qlinear(x, self.wkv), self.kv_norm, self.cfg.norm_eps)
-        return qdq8(num.r(apply_rope(kv, cis)), 32)
+        return qdq8(num.r(num.rope(kv, cis)), 32)
 
     def _query(self, x, cis, num):
         qr = num.rmsnorm(num.qlinear(x, self.wq_a), self.q_norm, self.cfg.norm_eps)
         q = num.qlinear(qr, self.wq_b).unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim))
-        return qr, num.r(apply_rope(q, cis))
+        return qr, num.r(num.rope(q, cis))
 
     def _output(self, o, cis, num):
         """Inverse RoPE, block-diagonal grouped wo_a (bf16 weight, no act QDQ), then wo_b (§11.3)."""
         cfg = self.cfg
-        o = num.r(apply_rope(o, cis, inverse=True))
+        o = num.r(num.rope(o, cis, inverse=True))
         b, s = o.shape[:2]
         og = o.reshape(b, s, cfg.o_groups, -1)
         wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
@@ -175,7 +175,7 @@ class Attention:
         b, s, _ = x.shape
         end_pos = start_pos + s
         pos = torch.arange(start_pos, end_pos)
-        cis = rope_cis(self.freqs, pos)
+        cis = num.rope_cis(self.freqs, pos, cfg.max_seq_len)
         qr, q = self._query(x, cis, num)
         kv = self._kv(x, cis, num)
         if start_pos == 0:
@@ -207,7 +207,7 @@ class Attention:
         # group j stands at position j*r (its first token)
         if latent is not None:
             gpos = torch.arange(0, s - s % r, r) if start_pos == 0 else torch.tensor([start_pos + 1 - r])
-            gcis = rope_cis(self.freqs, gpos)
+            gcis = num.rope_cis(self.freqs, gpos, cfg.max_seq_len)
         # the indexer consumes the pre-RoPE, pre-QDQ latent, so it runs before the cache write
         if self.indexer is None:
             if shared.topk_idxs is None:
@@ -221,11 +221,12 @@ class Attention:
                 self.indexer.publish_keys(latent, gcis, start_pos, cache, num)
                 shared.index_k_owner = L
             index_k = self._index_keys(shared, L)
-            cidx = self.indexer(x, qr, rope_cis(self.freqs, torch.arange(start_pos, end_pos)), index_k,
+            qcis = num.rope_cis(self.freqs, torch.arange(start_pos, end_pos), cfg.max_seq_len)
+            cidx = self.indexer(x, qr, qcis, index_k,
                                 start_pos, offset, shared, num)
             shared.topk_idxs = cidx
         if latent is not None:
-            latent = qdq4e(num.r(apply_rope(latent, gcis)), 16)
+            latent = qdq4e(num.r(num.rope(latent, gcis)), 16)
             cache.compress_kv = latent if cache.compress_kv is None or start_pos == 0 else \
                 torch.cat([cache.compress_kv, latent], dim=1)
         owner = shared.caches[cfg.kv_source_for(L)]

@@ -6,7 +6,6 @@ import torch
 
 from .config import ModelConfig
 from .numerics import Numerics, qdq4p
-from .rope import apply_rope
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -89,7 +88,7 @@ class Indexer:
                      num: Numerics) -> None:
         """Key owner: k = QDQ4p(rope(k_norm(wk(latent)))) from the PRE-RoPE, pre-QDQ latent."""
         k = num.rmsnorm(num.linear(latent, self.wk), self.k_norm, self.cfg.norm_eps)
-        k = qdq4p(num.r(apply_rope(k, group_cis)), 32)
+        k = qdq4p(num.r(num.rope(k, group_cis)), 32)
         cache.index_k = k if start_pos == 0 or cache.index_k is None else torch.cat([cache.index_k, k], dim=1)
 
     def __call__(self, x, qr, cis, index_k, start_pos: int, offset: int, shared, num: Numerics) -> torch.Tensor:
@@ -98,7 +97,7 @@ class Indexer:
         end_pos = start_pos + s
         H, D = cfg.index_n_heads, cfg.index_head_dim
         q = num.qlinear(qr, self.wq_b).unflatten(-1, (H, D))
-        q = qdq4p(num.r(apply_rope(q, cis)), 32)
+        q = qdq4p(num.r(num.rope(q, cis)), 32)
         G = end_pos // r
         if index_k.shape[1] < G:
             raise RuntimeError(f"indexer layer {self.layer_id}: key cache has {index_k.shape[1]} rows, needs {G}")

@@ -10,7 +10,6 @@ import torch
 from .attention import Attention, LayerCache, sparse_attn
 from .config import ModelConfig
 from .hyper import hc_pre
-from .rope import rope_cis
 
 
 def _need(w: dict, name: str) -> torch.Tensor:
@@ -24,7 +23,8 @@ class DSparkAttention(Attention):
     def __call__(self, x, start_pos, cache: LayerCache, shared, num, main_x=None):
         cfg, W = self.cfg, self.cfg.window_size
         b, s_main, _ = main_x.shape
-        main_kv = self._kv(main_x, rope_cis(self.freqs, torch.arange(start_pos, start_pos + s_main)), num)
+        main_cis = num.rope_cis(self.freqs, torch.arange(start_pos, start_pos + s_main), self.cfg.max_seq_len)
+        main_kv = self._kv(main_x, main_cis, num)
         if start_pos == 0:  # prefill only seeds the ring with the prompt positions
             cache.ring = main_kv.new_zeros(b, W, cfg.head_dim)
             keep = torch.arange(max(0, s_main - W), s_main)
@@ -33,7 +33,8 @@ class DSparkAttention(Attention):
         if cache.ring is None:
             raise RuntimeError(f"DSpark stage {self.layer_id}: decode before the prefill seeded its ring")
         B = x.shape[1]
-        cis = rope_cis(self.freqs, torch.arange(start_pos + s_main, start_pos + s_main + B))
+        cis = num.rope_cis(self.freqs, torch.arange(start_pos + s_main, start_pos + s_main + B),
+                           self.cfg.max_seq_len)
         _, q = self._query(x, cis, num)
         kv_blk = self._kv(x, cis, num)  # block keys are not cached
         cache.ring[:, start_pos % W] = main_kv[:, 0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import rope
 from .quant import act_quant_dequant, fp4_act_quant_dequant
 
 PRECISION_MODES = ("fp32", "reference-bf16")
@@ -224,6 +225,18 @@ class Numerics:
             self.ties.add(site, int(tie.sum()), int(tie.numel()))
         out = torch.topk(scores, k, dim=-1, sorted=sorted)
         return out.values, out.indices
+
+    def rope_cis(self, freqs: torch.Tensor, positions: torch.Tensor, table_len: int) -> torch.Tensor:
+        """RoPE rotations of `positions`; reference-bf16 mode takes them from the reference's fp32 table."""
+        if self.bf16:
+            return rope.rope_cis_reference_order(freqs, positions, table_len)
+        return rope.rope_cis(freqs, positions)
+
+    def rope(self, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the RoPE tail of x; the reference's complex64 product in reference-bf16 mode."""
+        if self.bf16:
+            return rope.apply_rope_reference_order(x, cis, inverse)
+        return rope.apply_rope(x, cis, inverse)
 
     def f32(self, fn, *xs: torch.Tensor) -> torch.Tensor:
         """`fn` where the reference evaluates it on fp32 tensors."""
