@@ -210,7 +210,8 @@ def run_reference(ref, model, ids: torch.Tensor, n_prefill: int, quirk: bool) ->
     hooks.append(model.norm.register_forward_hook(lambda _m, _i, out: normed.append(out)))
 
     def all_logits():  # ParallelHead(full_logits=True) on the final norm's output
-        return torch.nn.functional.linear(normed.pop().float(), model.head.weight)
+        with torch.no_grad():
+            return torch.nn.functional.linear(normed.pop().float(), model.head.weight)
 
     try:
         with ref.set_dtype(torch.bfloat16):
