@@ -364,7 +364,8 @@ class _EngramRows:
         return self.ck.engram_rows(self.layer, rows.cpu()).to(self.device)
 
 
-def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None) -> tuple[dict, int]:
+def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None,
+                precision: str = "fp32") -> tuple[dict, int]:
     """Full-name fp32 weights of layer L on `device`, and their byte count (the stage's working set).
     On the CPU the routed experts (the bulk of a layer, kept fp32 for the whole stage) are decoded into
     `buffers`, the previous layer's arrays; the rest mostly becomes float64 at once (_dot_only_weight)."""
@@ -378,7 +379,8 @@ def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | No
         for k, v in ck.load_expert(L, e, pool).items():
             w[f"{prefix}ffn.experts.{e}.{k}.weight"] = v.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in w.values())
-    for name in [n for n in w if _dot_only_weight(n)]:
+    # only fp32 mode accumulates in float64; reference-bf16 runs the reference's fp32 / bf16 products
+    for name in [n for n in w if precision == "fp32" and _dot_only_weight(n)]:
         w[name] = w[name].double()  # replaces the fp32 copy: see _dot_only_weight
     if not whole:
         w[table + ".weight"] = _EngramRows(ck, L, device)
@@ -632,7 +634,8 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
     stats.baseline_rss_kib = _status_kib("VmRSS")
     _reset_peak_rss()
     bar = _Progress(opts.progress, n_stages + 1, len(seqs))
-    groups = moe_groups(seqs, cfg)
+    # reference-bf16 reproduces the reference's per-sequence calls, whose fp32 ops depend on the row count
+    groups = moe_groups(seqs, cfg) if opts.precision == "fp32" else [[i] for i in range(len(seqs))]
     try:
         with compute_context(opts.device, threads):
             for stage in range(start, n_stages):
@@ -645,7 +648,7 @@ def _run_locked(ck, panel, work: Path, opts: RunOptions, hasher, identity, job, 
                     step = _embed_step(Embedding(cfg).load(w), cfg.hc_mult, opts)
                 else:
                     L = stage - 1
-                    w, nbytes = _load_layer(ck, L, opts.device, buffers)
+                    w, nbytes = _load_layer(ck, L, opts.device, buffers, opts.precision)
                     step = _layer_step(Block(cfg, L, opts.index_k).load(w),
                                        Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None, hasher, opts)
                 _release_file_handles(ck)  # the shards' mapped pages are not needed once decoded
