@@ -10,6 +10,7 @@ MARKERS = {
     "engine": "needs a real engine server",
     "slow": "slow test",
     "gpu": "needs a CUDA device",
+    "reference": "runs DeepSeek's reference code (DS41_REFERENCE_CODE=/path to a local copy); kept out of CI",
 }
 
 

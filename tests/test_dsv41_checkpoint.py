@@ -77,7 +77,8 @@ def test_engram_rows_are_prime_sums():  # §8.2, §20.2
 def test_tiny_inventory_shapes(tiny):  # §20.3
     ck = Checkpoint(tiny)
     names = ck.tensor_names()
-    assert len(names) == 826
+    # §20.3 counts 826 with gate.bias_vl; the reference's vision-off model has none (8 + 3 gates)
+    assert len(names) == 826 - 11
     hdr = {n: (ck._official.infos[n].dtype, ck._official.infos[n].shape) for n in names}
     assert hdr["layers.3.attn.wq_b.scale"] == ("F8_E8M0", (16, 2))
     assert hdr["layers.1.engram.embed.weight"] == ("F8_E4M3", (660, 64))
@@ -235,7 +236,7 @@ def test_wrong_storage_format(tiny, tmp_path):
 def test_block_size_mismatch_with_config(tiny, tmp_path):  # weight-formats.md §4.3, §9.7
     d = copy(tiny, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"]["weight_block_size"] = [128, 128]
+    cfg["quantization_config"] = {"weight_block_size": [128, 128]}
     (d / "config.json").write_text(json.dumps(cfg))
     probs = problems_of(d)
     assert any("layers.0.attn.wq_b.scale: grid [16, 2] implies 32x32 blocks, config weight_block_size is [128, 128]"
@@ -484,3 +485,117 @@ def test_loaded_digests_and_byte_ranges_name_exactly_what_a_layer_load_reads(tin
     assert set(digests.values()) <= by_range  # every tensor read lies in a readahead range
     assert len(ranges) == len(digests)  # and nothing else does (no Engram table on layer 0)
     assert not set(ck.byte_ranges("layers.1")) & set(ranges)  # "layers.1" is not a prefix of "layers.10"
+
+
+# ---------------------------------------------------------------------------------------------------
+# compatibility with the reference's model (tenstorrent/tt-metal V41/model.py ModelArgs / Transformer)
+
+# dsv41-architecture.md §2.1: the inference config.json keys, plus the ModelArgs fields that the released JSON
+# leaves at their defaults (§2.1, last paragraph). The reference builds ModelArgs(**config): any other key is a
+# TypeError there.
+_INFERENCE_KEYS = {
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "n_heads", "head_dim", "rope_head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "norm_eps", "n_routed_experts", "n_shared_experts",
+    "n_activated_experts", "score_func", "route_scale", "swiglu_limit", "compress_ratios", "kv_source_layers",
+    "index_source_layers", "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size",
+    "index_n_heads", "index_head_dim", "index_topk", "rope_theta", "compress_rope_theta", "original_seq_len",
+    "rope_factor", "beta_fast", "beta_slow", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids",
+    "engram_num_embeddings", "engram_vocab_size", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
+    "engram_pad_id", "engram_compressed_vocab_size", "dspark_block_size", "dspark_noise_token_id",
+    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts",
+    "dtype", "expert_dtype", "vision_n_layers", "image_token_id",
+}
+_VISION_SIZE_KEYS = {"vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                     "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio",
+                     "vision_rope_theta"}
+_DEFAULTED_KEYS = {"gate_temp", "norm_topk_prob", "max_batch_size", "max_seq_len", "temperature"}
+
+
+def _names_by_the_architecture_document(cfg: dict) -> set[str]:
+    """Every tensor name of §4.2 / §4.3 for a configuration, by the document's presence rules; gate.bias_vl
+    only with the vision path on (the reference's Gate defines it only then)."""
+    names = {"embed.weight", "head.weight", "norm.weight"}
+
+    def q(p):  # FP8 / FP4 linears: weight + scale
+        return {f"{p}.weight", f"{p}.scale"}
+
+    def block(p, L, backbone):
+        n = {f"{p}.hc_{s}_{k}" for s in ("attn", "ffn") for k in ("fn", "base", "scale")}
+        n |= {f"{p}.attn_norm.weight", f"{p}.ffn_norm.weight", f"{p}.attn.attn_sink", f"{p}.attn.q_norm.weight",
+              f"{p}.attn.kv_norm.weight"}
+        for w in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            n |= q(f"{p}.attn.{w}")
+        if backbone and L in cfg["kv_source_layers"]:
+            n |= {f"{p}.attn.compressor.wkv.weight", f"{p}.attn.compressor.norm.weight",
+                  f"{p}.attn.indexer.wk.weight", f"{p}.attn.indexer.k_norm.weight"}
+            if cfg["compress_ratios"][L] == 2:
+                n.add(f"{p}.attn.compressor.wgate.weight")
+        if backbone and L in cfg["index_source_layers"]:
+            n |= q(f"{p}.attn.indexer.wq_b") | {f"{p}.attn.indexer.weights_proj.weight"}
+        n |= {f"{p}.ffn.gate.weight", f"{p}.ffn.gate.bias"}
+        if cfg["vision_n_layers"] > 0:
+            n.add(f"{p}.ffn.gate.bias_vl")
+        n_exp = cfg["n_routed_experts"] if backbone else (cfg["dspark_n_routed_experts"] or cfg["n_routed_experts"])
+        for e in range(n_exp):
+            for w in ("w1", "w2", "w3"):
+                n |= q(f"{p}.ffn.experts.{e}.{w}")
+        for w in ("w1", "w2", "w3"):
+            n |= q(f"{p}.ffn.shared_experts.{w}")
+        if backbone and L in cfg["engram_layer_ids"]:
+            n |= q(f"{p}.engram.embed") | q(f"{p}.engram.wkv") | {f"{p}.engram.q_weight", f"{p}.engram.k_weight"}
+        return n
+
+    for L in range(cfg["n_layers"]):
+        names |= block(f"layers.{L}", L, True)
+    last = cfg["n_mtp_layers"] - 1
+    for S in range(cfg["n_mtp_layers"]):
+        names |= block(f"mtp.{S}", cfg["n_layers"] + S, False)
+    names |= q("mtp.0.main_proj") | {"mtp.0.main_norm.weight", f"mtp.{last}.norm.weight",
+                                     f"mtp.{last}.markov_head.embed.weight", f"mtp.{last}.markov_head.head.weight",
+                                     f"mtp.{last}.confidence_head.proj.weight"}
+    return names
+
+
+def _stored_names(folder: Path) -> set[str]:
+    return set(json.loads((folder / INDEX_NAME).read_text())["weight_map"])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"index_topk": 4, "n_mtp_layers": 2, "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1, 0, 0]}])
+def test_tiny_checkpoint_holds_exactly_what_the_reference_model_defines(tmp_path, overrides):
+    d = write_tiny_checkpoint(tmp_path / "t", seed=3, config_overrides=overrides)
+    cfg = json.loads((d / "config.json").read_text())
+    assert set(cfg) <= _INFERENCE_KEYS | _VISION_SIZE_KEYS | _DEFAULTED_KEYS
+    assert _INFERENCE_KEYS | _DEFAULTED_KEYS <= set(cfg)
+    assert cfg["temperature"] == 0  # the reference samples at any other temperature
+    assert cfg["vision_n_layers"] == 0
+    assert _stored_names(d) == _names_by_the_architecture_document(cfg)
+
+
+def test_vision_off_checkpoint_without_bias_vl_loads_and_routes_image_tokens_with_gate_bias(tiny, tmp_path):
+    """A vision-off checkpoint written as the reference's model stores it: inference-form config.json (no
+    quantization_config, no tiny marker), no gate.bias_vl anywhere."""
+    d = copy(tiny, tmp_path)
+    (d / "ds41_tiny.json").unlink()
+    assert not any(n.endswith("bias_vl") for n in _stored_names(d))
+    assert "quantization_config" not in json.loads((d / "config.json").read_text())
+    ck = Checkpoint(d)
+    assert ck.fp8_block == (32, 32)
+    w = ck.load_layer(3)
+    assert "ffn.gate.bias_vl" not in w and "ffn.gate.bias" in w
+    from oracle.dsv41.moe import MoE
+    moe = MoE(ck.model_config, 3).load({f"layers.3.{k}": v for k, v in w.items()}, "layers.3.")
+    from oracle.dsv41.numerics import Numerics
+    x = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(0))
+    image = torch.tensor([[False, True, True, False, False]])
+    assert torch.equal(moe(x, image, Numerics()), moe(x, None, Numerics()))
+
+
+def test_release_style_bias_vl_is_still_accepted_with_vision_off(tiny, tmp_path):
+    d = copy(tiny, tmp_path)
+
+    def add_bias_vl(t, shard):
+        for n in [n for n in t if n.endswith("ffn.gate.bias")]:
+            t[n + "_vl"] = torch.full_like(t[n], 0.25)
+    edit_shards(d, add_bias_vl)
+    w = Checkpoint(d).load_layer(0)
+    assert torch.equal(w["ffn.gate.bias_vl"], torch.full((8,), 0.25))

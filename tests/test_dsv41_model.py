@@ -70,9 +70,11 @@ def test_decode_equals_prefill_at_every_position(weights, n_tokens, n_prefill, s
     assert torch.equal(inc.argmax(-1), full.argmax(-1))
 
 
-def test_upstream_index_key_quirk_changes_decode_only_on_even_steps(weights):
+def test_upstream_index_key_quirk_starts_at_the_first_even_decode_step_and_then_persists(weights):
     """§18.1: with the default ('upstream') switch, decode steps at even start_pos score layers 2/3 against
-    layer 4's keys; odd steps, and the prefill itself, are unaffected."""
+    layer 4's keys. The prefill and the odd step before it are unaffected; from the first even step on the
+    caches differ, so later odd steps differ too (measured: up to 1.09 |Δ logit| on the reference's tiny
+    model, docs/ORACLE.md)."""
     up = Model(CFG, weights, tiny_token_map(512))  # default reproduces upstream
     assert up.index_k == "upstream"
     it = Model(CFG, weights, tiny_token_map(512), index_k="intended")
@@ -82,7 +84,8 @@ def test_upstream_index_key_quirk_changes_decode_only_on_even_steps(weights):
     assert torch.equal(a[:, :97], b[:, :97])
     assert torch.equal(a[:, 97], b[:, 97])  # start_pos 97 is odd: layer 2 completes a group and re-publishes
     diffs = {p: _rel(a[:, p], b[:, p]) for p in range(98, 109)}
-    assert any(d > 1e-3 for p, d in diffs.items() if p % 2 == 0), diffs
+    assert diffs[98] > 1e-3, diffs  # the first even step
+    assert any(d > 1e-3 for p, d in diffs.items() if p % 2 == 1), diffs  # later odd steps follow
 
 
 def test_batch_equals_sequences_run_alone(weights):

@@ -425,3 +425,39 @@ def test_mm_reuses_its_float64_buffer_across_inference_mode_and_stays_exact():
         c = mm(x, w1)
     want = lambda w: torch.from_numpy((x.numpy().astype("float64") @ w.numpy().astype("float64").T).astype("float32"))  # noqa: E731
     assert torch.equal(a, want(w1)) and torch.equal(b, want(w2)) and torch.equal(c, a)
+
+
+def test_reference_mode_topk_is_torch_topk_and_still_counts_ties():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 1.0, 1.0, 0.5]])
+    ref = Numerics("reference-bf16")
+    vals, idx = ref.topk(scores, 3, "t", sorted=False)
+    want = torch.topk(scores, 3, dim=-1, sorted=False)
+    assert torch.equal(idx, want.indices) and torch.equal(vals, want.values)
+    assert ref.ties.counts["t"] == 1  # 3rd and 4th best are both 1.0
+    fp = Numerics("fp32")
+    _, idx32 = fp.topk(scores, 3, "t")
+    assert idx32.tolist() == [[0, 2, 1]] and fp.ties.counts["t"] == 1  # lower index wins the tie
+
+
+def test_reference_mode_gemm_accumulates_per_32_block_in_k_order():
+    from oracle.dsv41.numerics import blocked_gemm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 96, generator=g), torch.randn(5, 96, generator=g)
+    acc = torch.zeros(3, 5)
+    for k0 in (0, 32, 64):  # written out: three block products added to zero in K order
+        acc = acc + x[:, k0:k0 + 32] @ w[:, k0:k0 + 32].T
+    assert torch.equal(blocked_gemm(x, w), acc)
+    assert torch.allclose(blocked_gemm(x, w).double(), x.double() @ w.double().T, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        blocked_gemm(x[:, :40], w[:, :40])
+
+
+def test_aligned_copies_only_misaligned_tensors():
+    from oracle.dsv41.numerics import aligned
+
+    buf = torch.arange(100, dtype=torch.float32)
+    assert aligned(buf) is buf  # fresh allocations are 64-byte aligned
+    view = buf[1:65]
+    a = aligned(view)
+    assert a.data_ptr() % 64 == 0 and torch.equal(a, view)

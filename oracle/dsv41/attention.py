@@ -8,8 +8,8 @@ import torch
 
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .numerics import Numerics, einsum, in_f64, qdq4e, qdq8, sum_f64
-from .rope import apply_rope, layer_frequencies, rope_cis
+from .numerics import Numerics, qdq4e, qdq8
+from .rope import layer_frequencies
 from .weights import need
 
 
@@ -55,36 +55,46 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     fp32 mode: the exact softmax with the unscaled sink as an extra logit that has no value row.
     reference-bf16 mode: the kernel's online softmax over blocks of 64 indices, running max from
     -1e30, probabilities cast to bf16 before P.V, output cast to bf16."""
+    if num.bf16:
+        return _sparse_attn_reference_order(q, kv, sink, idx, scale, block)
     b, m, h, d = q.shape
     valid = idx >= 0
     g = torch.gather(kv.unsqueeze(1).expand(b, m, kv.shape[1], d), 2,
                      idx.clamp_min(0).long().unsqueeze(-1).expand(b, m, idx.shape[-1], d))  # [b, m, k, d]
-    z = einsum("bmhd,bmkd->bmhk", q, g) * scale
-    z = z.masked_fill(~valid.unsqueeze(2), float("-inf"))
     sink = sink.view(1, 1, h)
-    if not num.bf16:
-        # exact softmax evaluated in float64 and rounded once, so the result does not depend on how
-        # many -1 holes a list has (prefill and decode lists differ only in those)
-        z64 = torch.einsum("bmhd,bmkd->bmhk", q.double(), g.double()) * scale
-        z64 = z64.masked_fill(~valid.unsqueeze(2), float("-inf"))
-        s64 = sink.double()
-        mu = torch.maximum(z64.amax(-1), s64) if z64.shape[-1] else s64.expand(b, m, h)
-        p = torch.exp(z64 - mu.unsqueeze(-1))
-        den = p.sum(-1) + torch.exp(s64 - mu)
-        return (torch.einsum("bmhk,bmkd->bmhd", p, g.double()) / den.unsqueeze(-1)).float()
-    run = torch.full((b, m, h), -1e30)
-    den = torch.zeros(b, m, h)
+    # exact softmax evaluated in float64 and rounded once, so the result does not depend on how
+    # many -1 holes a list has (prefill and decode lists differ only in those)
+    z64 = torch.einsum("bmhd,bmkd->bmhk", q.double(), g.double()) * scale
+    z64 = z64.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    s64 = sink.double()
+    mu = torch.maximum(z64.amax(-1), s64) if z64.shape[-1] else s64.expand(b, m, h)
+    p = torch.exp(z64 - mu.unsqueeze(-1))
+    den = p.sum(-1) + torch.exp(s64 - mu)
+    return (torch.einsum("bmhk,bmkd->bmhd", p, g.double()) / den.unsqueeze(-1)).float()
+
+
+def _sparse_attn_reference_order(q, kv, sink, idx, scale: float, block: int):
+    """The reference kernel's online softmax, spelled as its CPU port spells it (same fp32 ops, same block
+    shapes): gathered rows zeroed at -1, scores masked to -inf then scaled, running max from -1e30, fp32
+    exp and probability sums, probabilities cast to bf16 before P.V, the unscaled sink added last."""
+    b, m, h, d = q.shape
+    scale_t = torch.tensor(scale, dtype=torch.float32)
     acc = torch.zeros(b, m, h, d)
-    for s0 in range(0, z.shape[-1], block):
-        zb, gb = z[..., s0:s0 + block], g[:, :, s0:s0 + block]
-        new = torch.maximum(run, zb.amax(-1))
-        alpha = in_f64(torch.exp, run - new)  # fp32 exp, correctly rounded on every device
-        p = in_f64(torch.exp, zb - new.unsqueeze(-1))
-        den = den * alpha + sum_f64(p, -1)
-        acc = acc * alpha.unsqueeze(-1) + einsum("bmhk,bmkd->bmhd", num.r(p), gb)
-        run = new
-    den = den + in_f64(torch.exp, sink - run)
-    return num.r(acc / den.unsqueeze(-1))
+    den = torch.zeros(b, m, h)
+    run = torch.full((b, m, h), -1e30)
+    batch = torch.arange(b).view(b, 1, 1)
+    for s0 in range(0, idx.shape[-1], block):
+        ib = idx[:, :, s0:s0 + block].long()
+        valid = ib != -1
+        gb = kv[batch, ib.clamp_min(0)] * valid.unsqueeze(-1)
+        z = torch.where(valid.unsqueeze(2), torch.einsum("bmhd,bmkd->bmhk", q, gb), -torch.inf) * scale_t
+        prev, run = run, torch.maximum(run, z.amax(dim=-1))
+        alpha = torch.exp(prev - run)
+        p = torch.exp(z - run.unsqueeze(-1))
+        den = den * alpha + p.sum(dim=-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), gb)
+    den = den + torch.exp(sink.float() - run)
+    return (acc / den.unsqueeze(-1)).to(torch.bfloat16).float()
 
 
 def window_indices(start_pos: int, s: int, window: int) -> torch.Tensor:
@@ -134,21 +144,22 @@ class Attention:
     def _kv(self, x, cis, num):
         """Window KV: QDQ8(rope(kv_norm(wkv(x)))) over the whole vector, RoPE tail included (§11.1)."""
         kv = num.rmsnorm(num.qlinear(x, self.wkv), self.kv_norm, self.cfg.norm_eps)
-        return qdq8(num.r(apply_rope(kv, cis)), 32)
+        return qdq8(num.r(num.rope(kv, cis)), 32)
 
     def _query(self, x, cis, num):
         qr = num.rmsnorm(num.qlinear(x, self.wq_a), self.q_norm, self.cfg.norm_eps)
         q = num.qlinear(qr, self.wq_b).unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim))
-        return qr, num.r(apply_rope(q, cis))
+        return qr, num.r(num.rope(q, cis))
 
     def _output(self, o, cis, num):
         """Inverse RoPE, block-diagonal grouped wo_a (bf16 weight, no act QDQ), then wo_b (§11.3)."""
         cfg = self.cfg
-        o = num.r(apply_rope(o, cis, inverse=True))
+        o = num.r(num.rope(o, cis, inverse=True))
         b, s = o.shape[:2]
         og = o.reshape(b, s, cfg.o_groups, -1)
         wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        z = num.r(einsum("bsgd,grd->bsgr", og, wa))
+        # the reference runs this grouped product on bf16 tensors (wo_a is stored bf16)
+        z = num.on_bf16(lambda u, v: torch.einsum("bsgd,grd->bsgr", u, v), og, wa)
         return num.qlinear(z.flatten(2), self.wo_b)
 
     # -- forward -------------------------------------------------------------------------------
@@ -158,7 +169,7 @@ class Attention:
         b, s, _ = x.shape
         end_pos = start_pos + s
         pos = torch.arange(start_pos, end_pos)
-        cis = rope_cis(self.freqs, pos)
+        cis = num.rope_cis(self.freqs, pos, cfg.max_seq_len)
         qr, q = self._query(x, cis, num)
         kv = self._kv(x, cis, num)
         if start_pos == 0:
@@ -190,7 +201,7 @@ class Attention:
         # group j stands at position j*r (its first token)
         if latent is not None:
             gpos = torch.arange(0, s - s % r, r) if start_pos == 0 else torch.tensor([start_pos + 1 - r])
-            gcis = rope_cis(self.freqs, gpos)
+            gcis = num.rope_cis(self.freqs, gpos, cfg.max_seq_len)
         # the indexer consumes the pre-RoPE, pre-QDQ latent, so it runs before the cache write
         if self.indexer is None:
             if shared.topk_idxs is None:
@@ -204,11 +215,12 @@ class Attention:
                 self.indexer.publish_keys(latent, gcis, start_pos, cache, num)
                 shared.index_k_owner = L
             index_k = self._index_keys(shared, L)
-            cidx = self.indexer(x, qr, rope_cis(self.freqs, torch.arange(start_pos, end_pos)), index_k,
+            qcis = num.rope_cis(self.freqs, torch.arange(start_pos, end_pos), cfg.max_seq_len)
+            cidx = self.indexer(x, qr, qcis, index_k,
                                 start_pos, offset, shared, num)
             shared.topk_idxs = cidx
         if latent is not None:
-            latent = qdq4e(num.r(apply_rope(latent, gcis)), 16)
+            latent = qdq4e(num.r(num.rope(latent, gcis)), 16)
             cache.compress_kv = latent if cache.compress_kv is None or start_pos == 0 else \
                 torch.cat([cache.compress_kv, latent], dim=1)
         owner = shared.caches[cfg.kv_source_for(L)]

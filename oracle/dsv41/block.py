@@ -79,10 +79,10 @@ class Block:
         self.ffn.load(w, p)
         return self
 
-    def mixes(self, x, params):
+    def mixes(self, x, params, num: Numerics | None = None):
         fn, scale, base = params
         c = self.cfg
-        return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return hc_mixes(x, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, num)
 
     def run_attn(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num)
@@ -98,10 +98,10 @@ class Block:
         """-> (the FFN input [b, s, d], what ffn_part needs)."""
         num, eps = ctx.num, self.cfg.norm_eps
         res = x
-        a_pre, a_post, a_comb = self.mixes(x, self.hc_attn)
+        a_pre, a_post, a_comb = self.mixes(x, self.hc_attn, num)
         y = self.run_attn(num.rmsnorm(hc_pre(x, pre_in, num), self.attn_norm, eps), ctx)
         x = hc_post(y, res, a_post, a_comb, num)
-        f_pre, f_post, f_comb = self.mixes(x, self.hc_ffn)
+        f_pre, f_post, f_comb = self.mixes(x, self.hc_ffn, num)
         # the FFN input collapses with the ATTENTION's pre; f_pre goes to the next block (§9)
         return num.rmsnorm(hc_pre(x, a_pre, num), self.ffn_norm, eps), (x, f_pre, f_post, f_comb)
 

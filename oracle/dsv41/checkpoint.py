@@ -22,7 +22,7 @@ import re
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +80,9 @@ class Inventory:
     linears: dict[str, LinearSpec]
     tensors: dict[str, TensorSpec]
     tables: dict[str, TableSpec]
+    # accepted and loaded when present, not required: gate.bias_vl of a vision-off configuration (the release
+    # ships it; a checkpoint written for the reference's vision-off model has none)
+    optional: dict[str, TensorSpec] = field(default_factory=dict)
 
     def official_tensors(self, block: tuple[int, int]) -> dict[str, TensorSpec]:
         """Tensor name -> spec of the official storage of every tensor (§4.2, §4.3)."""
@@ -121,6 +124,7 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
     d, hc = cfg.dim, cfg.hc_mult
     lin: dict[str, LinearSpec] = {}
     ten: dict[str, TensorSpec] = {}
+    opt: dict[str, TensorSpec] = {}
     tab: dict[str, TableSpec] = {}
 
     def block(p: str, L: int, backbone: bool):
@@ -154,7 +158,10 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
         n_exp, _ = cfg.moe_experts(L)
         lin[f"{f}.gate"] = LinearSpec(n_exp, d, "bf16")
         ten[f"{f}.gate.bias"] = TensorSpec((n_exp,), "F32")
-        ten[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
+        if cfg.vision_n_layers > 0:  # the reference defines gate.bias_vl only with the vision path on
+            ten[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
+        else:
+            opt[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
         inter = cfg.moe_inter_dim
         for e in range(n_exp):
             lin[f"{f}.experts.{e}.w1"] = LinearSpec(inter, d, "fp4")
@@ -210,7 +217,7 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
         ten["aligner.w2.bias"] = TensorSpec((d,), "BF16")
         for n in ("image_start", "image_end", "image_newline"):
             ten[n] = TensorSpec((d,), "BF16")
-    return Inventory(lin, ten, tab)
+    return Inventory(lin, ten, tab, opt)
 
 
 def engram_prime_rows(cfg: ModelConfig) -> list[int]:
@@ -433,6 +440,10 @@ class Checkpoint:
         self._config_sha256 = _sha256_file(cfg_path)
         qc = self.config.get("quantization_config") or {}
         block = fp8_block or qc.get("weight_block_size")
+        if block is None and "quantization_config" not in self.config and self.config.get("dtype") == "fp8":
+            # the inference config.json form (what the reference's ModelArgs reads): no quantization_config,
+            # the FP8 block is the reference's module constant fp8_block_size = 32 (§4.5)
+            block = (32, 32)
         problems: list[str] = []
         if block is None:
             problems.append("config.json has no quantization_config.weight_block_size (and no fp8_block given)")
@@ -502,6 +513,11 @@ class Checkpoint:
                 claimed.add(n)
                 problems += _check_tensor(n, infos.get(n), ts)
                 self._tensors[n] = self._official
+        for name, spec in inv.optional.items():
+            if name in infos:
+                claimed.add(name)
+                problems += _check_tensor(name, infos[name], spec)
+                self._tensors[name] = self._official
         ignorable = re.compile(r"mtp\.\d+\.(embed|head)\.weight")  # tied to the backbone (§19)
         for name in sorted(set(infos) - claimed):
             if not ignorable.fullmatch(name):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, einsum, in_f64, mm, qdq4p, sum_f64, topk_lowest_index
-from .rope import apply_rope
+from .numerics import Numerics, qdq4p
 from .weights import need
 
 
@@ -27,7 +26,7 @@ class Compressor:
         if r == 1:  # nothing to pool: a plain bf16 linear
             return num.rmsnorm(num.linear(x, self.wkv), self.norm, eps)
         # ratio > 1 runs in fp32 with fp32 weights in the reference too (§12.2)
-        kv, score = mm(x, self.wkv), mm(x, self.wgate)
+        kv, score = num.fp32_linear(x, self.wkv), num.fp32_linear(x, self.wgate)
         b, s, _ = x.shape
         if start_pos == 0:
             cut = s - s % r
@@ -38,14 +37,15 @@ class Compressor:
             if cut == 0:
                 return None
             kv, score = kv[:, :cut].unflatten(1, (-1, r)), score[:, :cut].unflatten(1, (-1, r))
-            pooled = in_f64(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # softmax over the group, per channel
+            pooled = num.f32(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # softmax over the group, per channel
         else:
             slot = start_pos % r
             cache.carry_kv[:, slot] = kv[:, 0]
             cache.carry_score[:, slot] = score[:, 0]
             if (start_pos + 1) % r:
                 return None
-            pooled = in_f64(lambda v, z: (v * z.softmax(dim=1)).sum(dim=1, keepdim=True), cache.carry_kv, cache.carry_score)
+            pooled = num.f32(lambda v, z: (v * z.softmax(dim=1)).sum(dim=1, keepdim=True), cache.carry_kv,
+                             cache.carry_score)
         return num.rmsnorm(num.r(pooled), self.norm, eps)  # bf16 cast precedes the norm in the reference
 
 
@@ -58,7 +58,7 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens, topk_blocks: in
     nb = bs.shape[-1]
     last = (torch.as_tensor(compress_lens) - 1) // block
     bs = bs.masked_fill(torch.arange(nb) == last, float("inf"))
-    vals, idx = topk_lowest_index(bs, min(topk_blocks, nb), num.ties, "candidate_blocks")
+    vals, idx = num.topk(bs, min(topk_blocks, nb), "candidate_blocks")
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter_(-1, idx, vals > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
@@ -82,7 +82,7 @@ class Indexer:
                      num: Numerics) -> None:
         """Key owner: k = QDQ4p(rope(k_norm(wk(latent)))) from the PRE-RoPE, pre-QDQ latent."""
         k = num.rmsnorm(num.linear(latent, self.wk), self.k_norm, self.cfg.norm_eps)
-        k = qdq4p(num.r(apply_rope(k, group_cis)), 32)
+        k = qdq4p(num.r(num.rope(k, group_cis)), 32)
         cache.index_k = k if start_pos == 0 or cache.index_k is None else torch.cat([cache.index_k, k], dim=1)
 
     def __call__(self, x, qr, cis, index_k, start_pos: int, offset: int, shared, num: Numerics) -> torch.Tensor:
@@ -91,15 +91,16 @@ class Indexer:
         end_pos = start_pos + s
         H, D = cfg.index_n_heads, cfg.index_head_dim
         q = num.qlinear(qr, self.wq_b).unflatten(-1, (H, D))
-        q = qdq4p(num.r(apply_rope(q, cis)), 32)
+        q = qdq4p(num.r(num.rope(q, cis)), 32)
         G = end_pos // r
         if index_k.shape[1] < G:
             raise RuntimeError(f"indexer layer {self.layer_id}: key cache has {index_k.shape[1]} rows, needs {G}")
         K = index_k[:, :G]
         w = num.r(num.linear(x, self.weights_proj) * (D**-0.5 * H**-0.5))
-        score = num.r(einsum("bshd,btd->bsht", q, K))
-        score = sum_f64(num.r(score.relu() * w.unsqueeze(-1)), 2)
-        score = num.r(score)  # the reference's top-k runs on bf16 scores (§5.3)
+        # bf16 tensors in the reference: q.K, relu x weight, and the sum over heads (§5.3)
+        score = num.on_bf16(lambda a, c: torch.einsum("bshd,btd->bsht", a, c), q, K)
+        score = num.r(score.relu() * w.unsqueeze(-1))
+        score = num.on_bf16(lambda t: t.sum(dim=2), score)  # the reference's top-k runs on bf16 scores
         if start_pos == 0:
             compress_lens = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]
             score = score.masked_fill(torch.arange(G) >= compress_lens, float("-inf"))
@@ -114,7 +115,7 @@ class Indexer:
                                    f"{tuple(score.shape)} was published")
             score = score.masked_fill(~shared.candidates, float("-inf"))
         k = min(cfg.index_topk, G)
-        vals, sel = topk_lowest_index(score, k, num.ties, f"indexer.{self.layer_id}")
+        vals, sel = num.topk(score, k, f"indexer.{self.layer_id}", sorted=False)
         # §18.2 decision: a pick whose score is -inf is dropped, like an unreachable one
         order = sel.sort(dim=-1)
         sel, vals = order.values, vals.gather(-1, order.indices)

@@ -10,7 +10,7 @@ import sympy
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, in_f64, rstd_f64, sum_f64
+from .numerics import Numerics, rstd_f64
 from .weights import need
 
 DEAD = -1  # history entry of an image token (§8.2)
@@ -192,9 +192,12 @@ class Engram:
         key = kv[..., :hc * d].unflatten(-1, (hc, d))
         value = kv[..., hc * d:]
         # normalised per (token, copy) over d only, not jointly over copies
-        rstd = rstd_f64(x, eps) * rstd_f64(key, eps)
-        dot = sum_f64(x * self.w * key, -1) * rstd * d**-0.5
-        gate = in_f64(lambda t: torch.sigmoid(torch.copysign(t.abs().clamp_min(1e-6).sqrt(), t)), dot)  # signed sqrt (§8.3)
+        if num.bf16:  # the reference's fp32 statistics
+            rstd = torch.rsqrt(x.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        else:
+            rstd = rstd_f64(x, eps) * rstd_f64(key, eps)
+        dot = num.sum(x * self.w * key, -1) * rstd * d**-0.5
+        gate = num.f32(lambda t: torch.sigmoid(torch.copysign(t.abs().clamp_min(1e-6).sqrt(), t)), dot)  # signed sqrt (§8.3)
         if engram_mask is not None:
             gate = gate.masked_fill(~engram_mask.unsqueeze(-1), 0.0)
         return num.r(x + gate.unsqueeze(-1) * value.unsqueeze(-2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics, mm
+from .numerics import Numerics
 from .weights import need
 
 
@@ -20,7 +20,7 @@ class Head:
 
     def __call__(self, x: torch.Tensor, num: Numerics) -> torch.Tensor:
         # the head is never rounded: fp32 weight, fp32 logits (§5.3)
-        return mm(num.rmsnorm(x, self.norm, self.cfg.norm_eps), self.weight)
+        return num.fp32_linear(num.rmsnorm(x, self.norm, self.cfg.norm_eps), self.weight)
 
 
 class Embedding:

@@ -6,27 +6,27 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .numerics import Numerics, in_f64, mm, sum_f64, topk_lowest_index
+from .numerics import Numerics
 from .weights import need
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg: ModelConfig, num: Numerics,
           site: str = "router"):
     """x [n, d] -> (weights [n, k], indices [n, k]); fp32, no act QDQ, no bf16 rounding (§13.1)."""
-    s = mm(x, weight) / cfg.gate_temp
+    s = num.fp32_linear(x, weight) / cfg.gate_temp
     if cfg.score_func == "sqrtsoftplus":
-        s = in_f64(lambda t: F.softplus(t).sqrt(), s)
+        s = num.f32(lambda t: F.softplus(t).sqrt(), s)
     elif cfg.score_func == "sigmoid":
-        s = in_f64(torch.sigmoid, s)
+        s = num.f32(torch.sigmoid, s)
     elif cfg.score_func == "softmax":
-        s = in_f64(lambda t: t.softmax(dim=-1), s)
+        s = num.f32(lambda t: t.softmax(dim=-1), s)
     else:
         raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
     # the bias picks experts but does not weight them
-    _, idx = topk_lowest_index(s + bias, k, num.ties, site)
+    _, idx = num.topk(s + bias, k, site)
     wts = s.gather(1, idx)
     if cfg.norm_topk_prob and k > 1:
-        wts = wts / (sum_f64(wts, -1, keepdim=True) + 1e-20)  # literally 1e-20, not norm_eps
+        wts = wts / (num.sum(wts, -1, keepdim=True) + 1e-20)  # literally 1e-20, not norm_eps
     return wts * cfg.route_scale, idx
 
 
@@ -36,7 +36,7 @@ def expert(x: torch.Tensor, w1, w2, w3, limit: float, num: Numerics, wts: torch.
     if limit > 0:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
-    h = in_f64(F.silu, g) * u
+    h = num.f32(F.silu, g) * u
     if wts is not None:
         h = wts * h
     return num.qlinear(num.r(h), w2)
@@ -67,9 +67,8 @@ class MoE:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         bias = self.bias
-        if image_mask is not None:
-            if self.bias_vl is None:
-                raise KeyError(f"missing checkpoint tensor {self.prefix}gate.bias_vl (needed for image tokens)")
+        # without a vision path the reference's gate has no bias_vl and routes image tokens with gate.bias
+        if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
         wts, idx = route(x, self.gate, bias, self.k, self.cfg, num, f"router.{self.layer_id}")
         y = torch.zeros_like(x)

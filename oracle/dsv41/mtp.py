@@ -11,8 +11,6 @@ from .attention import Attention, LayerCache, sparse_attn
 from .block import Block, StepContext, embed_step
 from .config import ModelConfig
 from .hyper import hc_pre
-from .numerics import mm
-from .rope import rope_cis
 from .weights import need
 
 
@@ -20,7 +18,8 @@ class DSparkAttention(Attention):
     def __call__(self, x, start_pos, cache: LayerCache, shared, num, main_x=None):
         cfg, W = self.cfg, self.cfg.window_size
         b, s_main, _ = main_x.shape
-        main_kv = self._kv(main_x, rope_cis(self.freqs, torch.arange(start_pos, start_pos + s_main)), num)
+        main_cis = num.rope_cis(self.freqs, torch.arange(start_pos, start_pos + s_main), self.cfg.max_seq_len)
+        main_kv = self._kv(main_x, main_cis, num)
         if start_pos == 0:  # prefill only seeds the ring with the prompt positions
             cache.ring = main_kv.new_zeros(b, W, cfg.head_dim)
             keep = torch.arange(max(0, s_main - W), s_main)
@@ -29,7 +28,8 @@ class DSparkAttention(Attention):
         if cache.ring is None:
             raise RuntimeError(f"DSpark stage {self.layer_id}: decode before the prefill seeded its ring")
         B = x.shape[1]
-        cis = rope_cis(self.freqs, torch.arange(start_pos + s_main, start_pos + s_main + B))
+        cis = num.rope_cis(self.freqs, torch.arange(start_pos + s_main, start_pos + s_main + B),
+                           self.cfg.max_seq_len)
         _, q = self._query(x, cis, num)
         kv_blk = self._kv(x, cis, num)  # block keys are not cached
         cache.ring[:, start_pos % W] = main_kv[:, 0]
@@ -88,14 +88,15 @@ class DSpark:
             return None
         # forward_head (§15): the last stage's norm, the backbone head, then the Markov bias
         xc = hc_pre(x, pre, num)
-        logits = mm(num.rmsnorm(xc, self.norm, cfg.norm_eps), self.head.weight)
+        logits = num.fp32_linear(num.rmsnorm(xc, self.norm, cfg.norm_eps), self.head.weight)
         out = torch.empty(b, B + 1, dtype=torch.int64)
         out[:, 0] = tok
         embeds = []
         for i in range(B):
             e = self.markov_embed[out[:, i]]
-            logits[:, i] += mm(e, self.markov_head)
+            logits[:, i] += num.fp32_linear(e, self.markov_head)
             embeds.append(e)
             out[:, i + 1] = logits[:, i].argmax(-1)
-        conf = mm(torch.cat([xc, torch.stack(embeds, 1)], -1), self.confidence).squeeze(-1)  # x is NOT normed
+        # x is NOT normed
+        conf = num.fp32_linear(torch.cat([xc, torch.stack(embeds, 1)], -1), self.confidence).squeeze(-1)
         return DraftOutput(out, logits, conf)

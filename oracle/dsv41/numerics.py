@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import rope
 from .quant import act_quant_dequant, fp4_act_quant_dequant
 
 PRECISION_MODES = ("fp32", "reference-bf16")
@@ -153,6 +154,33 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied to a fresh (64-byte aligned) allocation when its data is not 64-byte aligned.
+
+    CPU BLAS results depend on operand alignment, not only on shapes (measured: a 1-row fp32 F.linear
+    against the same 24 x 1024 weight differs by up to 1.9e-7 for 4/8/12-byte offsets from a 16-byte
+    boundary). The reference's parameters are fresh torch allocations; tensors read from a memory-mapped
+    checkpoint can sit at any offset."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+def blocked_gemm(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x @ w.T the way the reference's fp8/fp4 GEMM kernels accumulate: one fp32 product per K block of
+    `block`, the block results added in K order to an fp32 accumulator starting at zero.
+
+    The operands are dequantised values (quantised value x power-of-two scale); scaling by a power of two
+    commutes with every fp32 rounding, so each block product equals the kernel's (unscaled block product)
+    x a_s x b_s exactly, and the sum matches its order."""
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"blocked_gemm: inner dimension {k} is not a multiple of {block}")
+    rows, w = aligned(x.reshape(-1, k)), aligned(w)
+    acc = torch.zeros(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for k0 in range(0, k, block):
+        acc += rows[:, k0:k0 + block] @ w[:, k0:k0 + block].T
+    return acc.view(*x.shape[:-1], w.shape[0])
+
+
 @dataclass
 class Numerics:
     """The precision mode (§5.2 / §5.3) plus the per-run tie statistics.
@@ -173,17 +201,78 @@ class Numerics:
     def r(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16(x) if self.bf16 else x
 
+    # The two contracts. fp32 mode: every shape- or device-dependent fp32 operation in float64, rounded once
+    # (decode == prefill, CPU == CUDA, bit for bit). reference-bf16 mode: the reference's own operation in the
+    # reference's dtype and order (fp32 torch op where it computes fp32, a bf16 tensor op where it computes
+    # bf16), so that the same torch build on the same machine gives the reference's numbers, including their
+    # dependence on how many rows share a call.
+
+    def topk(self, scores: torch.Tensor, k: int, site: str, sorted: bool = True):
+        """Top-k along the last dim -> (values, indices), ties counted per site in both modes.
+
+        fp32 mode: higher score first, then lower index (§18.3, `topk_lowest_index`). reference-bf16 mode:
+        torch.topk as the reference calls it (`sorted` as there), so equal scores are decided as the
+        reference's torch build decides them for that shape."""
+        if not self.bf16:
+            return topk_lowest_index(scores, k, self.ties, site)
+        n = scores.shape[-1]
+        if not 0 <= k <= n:
+            raise ValueError(f"topk at {site}: k={k} outside 0..{n}")
+        if 0 < k < n:
+            ranked = torch.sort(scores, dim=-1, descending=True).values
+            kth, nxt = ranked[..., k - 1], ranked[..., k]
+            tie = (kth == nxt) & torch.isfinite(kth)
+            self.ties.add(site, int(tie.sum()), int(tie.numel()))
+        out = torch.topk(scores, k, dim=-1, sorted=sorted)
+        return out.values, out.indices
+
+    def rope_cis(self, freqs: torch.Tensor, positions: torch.Tensor, table_len: int) -> torch.Tensor:
+        """RoPE rotations of `positions`; reference-bf16 mode takes them from the reference's fp32 table."""
+        if self.bf16:
+            return rope.rope_cis_reference_order(freqs, positions, table_len)
+        return rope.rope_cis(freqs, positions)
+
+    def rope(self, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the RoPE tail of x; the reference's complex64 product in reference-bf16 mode."""
+        if self.bf16:
+            return rope.apply_rope_reference_order(x, cis, inverse)
+        return rope.apply_rope(x, cis, inverse)
+
+    def f32(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """`fn` where the reference evaluates it on fp32 tensors."""
+        return fn(*xs) if self.bf16 else in_f64(fn, *xs)
+
+    def on_bf16(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """`fn` where the reference evaluates it on bf16 tensors (bf16 result, widened back to fp32)."""
+        if self.bf16:
+            return fn(*(x.to(torch.bfloat16) for x in xs)).float()
+        return in_f64(fn, *xs)
+
+    def sum(self, x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+        """An fp32 sum of the reference (torch's fp32 reduction in reference-bf16 mode)."""
+        return x.sum(dim, keepdim=keepdim) if self.bf16 else sum_f64(x, dim, keepdim)
+
+    def fp32_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A linear the reference runs as an fp32 F.linear (fp32 weight: head, router, ratio-2 compressor)."""
+        return torch.nn.functional.linear(aligned(x), aligned(w)) if self.bf16 else mm(x, w)
+
     def qlinear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A linear whose reference weight is FP8/FP4: QDQ8 on the input, then the GEMM output is
-        rounded to bf16 in reference mode (§5.1, §6.2)."""
-        return self.r(mm(qdq8(x, 32), w))
+        """A linear whose reference weight is FP8/FP4: QDQ8 on the input, then the GEMM; in reference mode
+        accumulated per 32-wide K block like the kernel and rounded to bf16 (§5.1, §6.2)."""
+        if self.bf16:
+            return _bf16(blocked_gemm(qdq8(x, 32), w))
+        return mm(qdq8(x, 32), w)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A plain bf16-weight linear (no activation QDQ); bf16 output in reference mode."""
-        return self.r(mm(x, w))
+        """A plain bf16-weight linear (no activation QDQ); a bf16 F.linear in reference mode."""
+        if self.bf16:
+            return torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        return mm(x, w)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """§5.1 RMSNorm; eps = 1e-20 in the LLM."""
+        if self.bf16:  # the reference: fp32 mean of squares, rsqrt, weight * x, cast to bf16
+            return _bf16(weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)))
         # the statistic in float64 (rounded once), independent of the row count (see `mm`)
         y = x * rstd_f64(x, eps, keepdim=True)
-        return self.r(weight * y)
+        return weight * y

@@ -44,6 +44,34 @@ def rope_cis(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
+_REFERENCE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def rope_cis_reference_order(freqs: torch.Tensor, positions: torch.Tensor, table_len: int) -> torch.Tensor:
+    """complex64 [n, rd/2] as the reference builds it: torch.polar over its whole fp32 angle table of
+    `table_len` (= max_seq_len) rows at once (cos / sin in fp32, evaluated for that table shape), then
+    indexed by position."""
+    need = int(positions.max()) + 1 if positions.numel() else 0
+    # beyond max_seq_len the reference has no table at all; a longer one keeps the oracle running there
+    n = max(int(table_len), need)
+    key = (tuple(freqs.tolist()), n)
+    table = _REFERENCE_TABLES.get(key)
+    if table is None:
+        angles = torch.outer(torch.arange(n), freqs.cpu())
+        table = _REFERENCE_TABLES[key] = torch.polar(torch.ones_like(angles), angles)
+    return table[positions.cpu()].to(positions.device)
+
+
+def apply_rope_reference_order(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The reference's fp32 complex64 product (x as complex pairs times cis, or its conjugate)."""
+    rd = 2 * cis.shape[-1]
+    head, tail = x[..., :-rd], x[..., -rd:]
+    z = torch.view_as_complex(tail.float().contiguous().unflatten(-1, (-1, 2)))
+    c = cis.conj() if inverse else cis
+    c = c.view(1, c.shape[0], *([1] * (x.ndim - 3)), c.shape[-1])
+    return torch.cat([head, torch.view_as_real(z * c).flatten(-2)], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2*cis.size(-1) channels of x as adjacent (even, odd) complex pairs.
 

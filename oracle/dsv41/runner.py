@@ -55,6 +55,7 @@ from .model import Model
 from .numerics import Numerics, TieStats
 from .options import TOP_K, RunnerError, RunOptions, compute_context
 from .spill import StageReader, StageWriter
+from .tiny import is_tiny_checkpoint
 from .workdir import KILL_ENV, MANIFEST, WorkDir, fault
 
 __all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "engram_token_map",
@@ -122,7 +123,7 @@ def engram_token_map(ck: Checkpoint, tokenizer=None) -> np.ndarray | None:
     cfg = ck.model_config
     if not cfg.engram_layer_ids:
         return None
-    if "ds41_tiny" in ck.config:
+    if is_tiny_checkpoint(ck.dir):
         return tiny_token_map(cfg.vocab_size)
     if tokenizer is None:
         raise RunnerError("the checkpoint has Engram layers: its compressed token map needs the tokenizer; "
@@ -171,7 +172,8 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
     stats.baseline_rss_kib = status_kib("VmRSS")
     reset_peak_rss()
     bar = _Progress(opts.progress, n_stages + 1, len(seqs))
-    groups = moe_groups(seqs, cfg)
+    # reference-bf16 reproduces the reference's per-sequence calls, whose fp32 ops depend on the row count
+    groups = moe_groups(seqs, cfg) if opts.precision == "fp32" else [[i] for i in range(len(seqs))]
     try:
         with compute_context(opts.device, opts.threads):
             for stage in range(start, n_stages):
@@ -184,7 +186,7 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
                     step = _embed_stage_step(Embedding(cfg).load(w), cfg.hc_mult, opts)
                 else:
                     L = stage - 1
-                    w, nbytes = _load_layer(ck, L, opts.device, buffers)
+                    w, nbytes = _load_layer(ck, L, opts.device, buffers, opts.precision)
                     step = _layer_stage_step(Block(cfg, L, opts.index_k).load(w),
                                              Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None,
                                              hasher, opts)
@@ -457,7 +459,8 @@ class _EngramRows:
         return self.ck.engram_rows(self.layer, rows.cpu()).to(self.device)
 
 
-def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None) -> tuple[dict, int]:
+def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None,
+                precision: str = "fp32") -> tuple[dict, int]:
     """Full-name fp32 weights of layer L on `device`, and their byte count (the stage's working set).
     On the CPU the routed experts (the bulk of a layer, kept fp32 for the whole stage) are decoded into
     `buffers`, the previous layer's arrays; the rest mostly becomes float64 at once (_dot_only_weight)."""
@@ -471,7 +474,8 @@ def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | No
         for k, v in ck.load_expert(L, e, pool).items():
             w[f"{prefix}ffn.experts.{e}.{k}.weight"] = v.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in w.values())
-    for name in [n for n in w if _dot_only_weight(n)]:
+    # only fp32 mode accumulates in float64; reference-bf16 runs the reference's fp32 / bf16 products
+    for name in [n for n in w if precision == "fp32" and _dot_only_weight(n)]:
         w[name] = w[name].double()  # replaces the fp32 copy: see _dot_only_weight
     if not whole:
         w[table + ".weight"] = _EngramRows(ck, L, device)

@@ -26,6 +26,8 @@ from .config import ModelConfig
 from .quant import e4m3_rne, pow2ceil
 
 FP8_BLOCK = (32, 32)
+# beside config.json, not inside it: the reference refuses config keys it does not define
+TINY_MARKER = "ds41_tiny.json"
 # §20.5 (from the released checkpoint's statistics): projection gains, norm-weight means, embedding RMS
 _GAINS = {"attn.wq_a": 1.6, "attn.wq_b": 0.95, "attn.wkv": 1.8, "attn.wo_a": 1.6, "attn.wo_b": 1.9,
           "ffn.gate": 2.9, "w1": 1.5, "w3": 1.5, "w2": 1.05}
@@ -166,13 +168,18 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, config_overrides: dict | None 
         shards.add(f"{p}.weight", w.view(torch.float8_e4m3fn))
         shards.add(f"{p}.scale", s.view(torch.float8_e8m0fnu))
     shards.finish()
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK), "scale_fmt": "ue8m0",
-                                     "expert_dtype": cfg.expert_dtype}
-    config["ds41_tiny"] = {"seed": seed, "overrides": config_overrides or {}}
+    # config.json in the inference form the reference reads as ModelArgs(**config): only its keys (an unknown
+    # key is a TypeError there); the FP8 block is its module constant 32. Greedy (temperature 0), because
+    # the reference samples from its logits at any other temperature.
+    config = {k: v for k, v in dataclasses.asdict(cfg.replace(temperature=0.0)).items() if k != "extra"}
     _atomic_json(config, out / "config.json")
+    _atomic_json({"seed": seed, "overrides": config_overrides or {}}, out / TINY_MARKER)
     return out
+
+
+def is_tiny_checkpoint(ckpt_dir) -> bool:
+    """A checkpoint written by ``write_tiny_checkpoint`` (its Engram hash uses the stub token map, §20.1)."""
+    return (Path(ckpt_dir) / TINY_MARKER).is_file()
 
 
 def _codebook_rms(cb: int) -> float:
