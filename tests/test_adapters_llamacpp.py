@@ -1,11 +1,12 @@
-"""llama.cpp adapters.
+"""llama.cpp adapters, against the real servers.
 
+* llama-server: the C++ server built by scripts/setup-llama-server.sh (profile llama-server-f32, the F32
+  GGUF) — token-id prefixes, ``n_probs``, the ``tokens_evaluated`` alignment self-check, the full-vocabulary
+  read of an actual token outside the top-k, generation, panel scoring. The refusals are provoked on the
+  real server by editing the request on its way out (a longer prompt, ``post_sampling_probs``, another
+  model name), so each one is checked against the server's own answer.
 * llama-cpp-python: against the REAL 0.3.36 server (profile llamacpp-f32, the F32 GGUF) — canary values,
   the one-position echo shift (abetlen/llama-cpp-python#1983), round-trip refusal, panel scoring.
-* llama-server: no C++ server binary is built on this machine yet, so the adapter's request/response
-  handling is exercised against the fake HTTP server answering in the documented §5 shape (ids in every
-  entry, ``tokens_evaluated``, ``completion_probabilities``), values computed from an explicit distribution.
-"""
 
 from __future__ import annotations
 
@@ -17,78 +18,146 @@ from engine.errors import EngineResponseError, Malformed, TokenRoundTripError
 from tests.test_client_malformed import VOCAB, FakeEngine, Reply, client_for, distribution
 
 CANARY = [504, 3575, 282, 4649, 314, 7042]
+PUBLISHED_F32 = [-11.5393, -0.3376, -2.4387, -0.4510, -0.2581]        # engines.md §12.7 fp32 reference
+VOCAB_SMOLLM2 = 49152
 
 
-# ============================================================================================ llama-server (fake, §5 shape)
-def llama_server_route(model: str = "fake-model", drop_eval: bool = False, post_sampling: bool = False):
-    def handler(body):
-        prefix = tuple(body["prompt"])
-        lp = distribution(prefix)
-        n = body["n_probs"]
-        top = [{"id": int(t), "token": "x", "bytes": [120], "logprob": float(lp[t])} for t in np.argsort(-lp)[:n]]
-        if post_sampling:
-            top = [{"id": e["id"], "token": "x", "bytes": [120], "prob": float(np.exp(e["logprob"]))} for e in top]
-        g = top[0]
-        return Reply(200, {"model": model, "content": "x", "tokens": [g["id"]], "tokens_predicted": 1,
-                           "tokens_evaluated": len(prefix) + (1 if drop_eval else 0), "stop_type": "limit",
-                           "completion_probabilities": [dict(g, top_logprobs=top)]})
-    return handler
+# ============================================================================================ llama-server (real)
+class Rewriting:
+    """A transport in front of the real server that edits each request body before it is sent: how the
+    tests make the real server answer with the shapes the adapter must refuse."""
+
+    def __init__(self, client, edit):
+        self.client, self.edit, self.model = client, edit, client.model
+        self.bodies: list[dict] = []
+
+    def post_json(self, path, body, *, seq_id=None):
+        body = self.edit(dict(body))
+        self.bodies.append(body)
+        return self.client.post_json(path, body, seq_id=seq_id)
+
+    def get_json(self, path):
+        return self.client.get_json(path)
 
 
-@pytest.fixture()
-def fake():
-    f = FakeEngine()
-    yield f
-    f.close()
+def _require_llama_server() -> None:
+    from core.paths import cache_dir
+    from engine.launcher import LLAMA_SERVER_DIR
+
+    if not (cache_dir() / "engines" / LLAMA_SERVER_DIR / ".ds41-ready").exists():
+        pytest.skip("llama-server is not built under the cache; run scripts/setup-llama-server.sh")
 
 
-def test_llama_server_one_request_per_prefix(fake):
-    fake.routes["/completion"] = llama_server_route()
-    c, _ = client_for(fake, adapter=LlamaServerAdapter(vocab_size=VOCAB))
-    ids = [5, 17, 3, 29, 11, 8]
-    got = c.prompt_logprobs(ids, 4, seq_id="ls")
-    reqs = [b for p, b in fake.requests if p == "/completion"]
-    base = [b for b in reqs if b["n_probs"] == 4]
-    assert [b["prompt"] for b in base] == [ids[:i] for i in range(1, len(ids))]
-    assert all(b["cache_prompt"] is False and b["temperature"] == 0 and b["n_predict"] == 1 for b in base)
-    for p in got.positions:
-        lp = distribution(tuple(ids[:p.position]))
-        assert list(p.top_ids) == list(np.argsort(-lp)[:4])
-        assert p.actual_logprob == pytest.approx(lp[ids[p.position]], abs=0)
-        assert p.actual_rank == 1 + int((lp > lp[ids[p.position]]).sum())
-    # actual tokens outside the top-4 were read from a full-vocabulary request of the same prefix
-    outside = [p for p in got.positions if p.actual_id not in p.top_ids]
-    assert outside and len([b for b in reqs if b["n_probs"] == VOCAB]) == len(outside)
-    assert got.timing.requests == len(reqs)
+@pytest.fixture(scope="module")
+def llama_server():
+    from engine.client import ClientConfig, EngineClient
+    from engine.launcher import EngineServer, load_profile
+
+    _require_llama_server()
+    with EngineServer(load_profile("llama-server-f32")) as srv:
+        c = EngineClient(ClientConfig(srv.base_url, srv.served_model, vocab_size=VOCAB_SMOLLM2, timeout_s=300),
+                         adapter=LlamaServerAdapter(vocab_size=VOCAB_SMOLLM2))
+        yield c
+        c.close()
 
 
-def test_llama_server_without_vocab_size_cannot_read_actual_outside_topk(fake):
-    fake.routes["/completion"] = llama_server_route()
-    c, _ = client_for(fake, adapter=LlamaServerAdapter(vocab_size=None))
+@pytest.mark.engine
+def test_llama_server_canary_from_token_id_prefixes(llama_server):
+    seen = Rewriting(llama_server, lambda b: b)
+    got = llama_server.adapter.prompt_logprobs(seen, "canary", CANARY, 5)
+    assert [b["prompt"] for b in seen.bodies] == [CANARY[:i] for i in range(1, len(CANARY))]
+    assert all(b["n_probs"] == 5 and b["cache_prompt"] is False and b["n_predict"] == 1 for b in seen.bodies)
+    assert got.keyed_by == "id" and [p.position for p in got.positions] == [1, 2, 3, 4, 5]
+    for p, ref in zip(got.positions, PUBLISHED_F32):
+        assert abs(p.actual_logprob - ref) <= 2e-3, (p.position, p.actual_logprob, ref)
+        assert not p.ambiguous
+    assert got.positions[0].top_ids[:4] == (29, 28, 198, 79)
+    assert got.positions[2].top_ids == (260, 4649, 7476, 4754, 4617)
+    assert [p.actual_rank for p in got.positions[1:]] == [1, 2, 1, 1]
+
+
+@pytest.mark.engine
+def test_llama_server_actual_outside_topk_read_from_the_full_vocabulary(llama_server):
+    """Position 1's actual token (" capital", rank ~2923 under the reference) is far outside the top-3:
+    the adapter re-asks the same prefix with n_probs = vocabulary and reads its value and rank there."""
+    seen = Rewriting(llama_server, lambda b: b)
+    got = llama_server.adapter.prompt_logprobs(seen, "full", CANARY[:3], 3)
+    full = [b for b in seen.bodies if b["n_probs"] == VOCAB_SMOLLM2]
+    assert [b["prompt"] for b in full] == [CANARY[:1]]
+    first = got.positions[0]
+    assert first.actual_id == 3575 and first.actual_id not in first.top_ids
+    assert abs(first.actual_logprob - PUBLISHED_F32[0]) <= 2e-3
+    assert abs(first.actual_rank - 2923) <= 5                 # the fp32 reference's rank (vLLM, engines.md §12.7)
+    # the same server, the same prefix, asked directly for the whole distribution: the rank is recomputed
+    reply = llama_server.post_json("/completion", {"prompt": CANARY[:1], "n_predict": 1, "n_probs": VOCAB_SMOLLM2,
+                                                   "temperature": 0, "cache_prompt": False})
+    entries = reply.data["completion_probabilities"][0]["top_logprobs"]
+    assert len(entries) == VOCAB_SMOLLM2 and len({e["id"] for e in entries}) == VOCAB_SMOLLM2
+    value = {e["id"]: e["logprob"] for e in entries}
+    assert first.actual_logprob == value[3575]
+    assert first.actual_rank == 1 + sum(v > value[3575] for v in value.values())
     with pytest.raises(EngineResponseError) as ei:
-        c.prompt_logprobs([5, 17, 3, 29, 11, 8], 1, seq_id="nv")
-    assert ei.value.kind == Malformed.ACTUAL_MISSING and ei.value.seq_id == "nv"
+        LlamaServerAdapter(vocab_size=None).prompt_logprobs(llama_server, "nv", CANARY[:3], 3)
+    assert ei.value.kind == Malformed.ACTUAL_MISSING and ei.value.seq_id == "nv" and ei.value.position == 1
 
 
-@pytest.mark.parametrize("route,kind", [
-    (llama_server_route(drop_eval=True), Malformed.PROMPT_IDS_MISMATCH),
-    (llama_server_route(post_sampling=True), Malformed.MISSING_FIELD),
-    (llama_server_route(model="other"), Malformed.WRONG_MODEL),
-], ids=["tokens_evaluated off by one", "post-sampling probs", "wrong model"])
-def test_llama_server_malformed(fake, route, kind):
-    fake.routes["/completion"] = route
-    c, _ = client_for(fake, adapter=LlamaServerAdapter(vocab_size=VOCAB))
+@pytest.mark.engine
+def test_llama_server_evaluates_exactly_the_ids_sent(llama_server):
+    """tokens_evaluated is the alignment self-check: the real server adds no BOS to an id prompt, and a
+    prompt that reaches it longer than the prefix the adapter meant is refused at that position."""
+    reply = llama_server.post_json("/completion", {"prompt": CANARY[:4], "n_predict": 1, "n_probs": 1,
+                                                   "temperature": 0, "cache_prompt": False})
+    assert reply.data["tokens_evaluated"] == 4
+    grown = Rewriting(llama_server, lambda b: {**b, "prompt": [CANARY[0]] + b["prompt"]})
     with pytest.raises(EngineResponseError) as ei:
-        c.prompt_logprobs([5, 17, 3], 3, seq_id="bad")
-    assert ei.value.kind == kind and ei.value.position == 1
+        llama_server.adapter.prompt_logprobs(grown, "grown", CANARY, 5)
+    assert ei.value.kind == Malformed.PROMPT_IDS_MISMATCH and ei.value.position == 1
+    assert "evaluated 2 prompt tokens, 1 sent" in str(ei.value)
 
 
-def test_llama_server_generation(fake):
-    fake.routes["/completion"] = llama_server_route()
-    c, _ = client_for(fake, adapter=LlamaServerAdapter(vocab_size=VOCAB))
-    g = c.generate([5, 17, 3], 1, 3, seq_id="g")
-    lp = distribution((5, 17, 3))
-    assert g.token_ids == (int(np.argmax(lp)),) and g.positions[0].position == 3 and g.positions[0].actual_rank == 1
+@pytest.mark.engine
+def test_llama_server_refuses_post_sampling_probabilities_and_another_model(llama_server):
+    post = Rewriting(llama_server, lambda b: {**b, "post_sampling_probs": True})
+    with pytest.raises(EngineResponseError) as ei:
+        llama_server.adapter.prompt_logprobs(post, "post", CANARY[:3], 3)
+    assert ei.value.kind == Malformed.MISSING_FIELD and ei.value.position == 1 and "'prob'" in str(ei.value)
+    other = Rewriting(llama_server, lambda b: b)
+    other.model = "another-model"
+    with pytest.raises(EngineResponseError) as ei:
+        llama_server.adapter.prompt_logprobs(other, "other", CANARY[:3], 3)
+    assert ei.value.kind == Malformed.WRONG_MODEL
+
+
+@pytest.mark.engine
+def test_llama_server_generation_has_ids(llama_server):
+    g = llama_server.generate(CANARY[:5], 1, 5, seq_id="g")
+    assert g.token_ids == (7042,) and g.positions[0].position == 5    # " Paris"
+    assert g.positions[0].actual_rank == 1 and abs(g.positions[0].actual_logprob - (-0.2581)) <= 2e-3
+
+
+@pytest.mark.engine
+def test_llama_server_panel_record_every_position_scored(llama_server):
+    """A real panel sequence: every position scored with ids (no ambiguity exists), values on the fp32
+    reference's within llama.cpp's F32 tolerance."""
+    from engine.client import EngineSource, ScoreStats, score_panel
+    from engine.models import ensure_smollm2
+    from oracle.hf import score_panel_hf
+    from panels import EncodedPanel, encode_panel, load_panel
+
+    full = encode_panel(load_panel("default"), "smollm2")
+    short = min(full.sequences, key=lambda s: len(s.token_ids))
+    panel = EncodedPanel(full.panel_name, full.panel_version, full.panel_hash, full.tokenizer_hash, (short,))
+    stats = ScoreStats()
+    rec = score_panel(llama_server, panel, 10,
+                      EngineSource(llama_server.root, "smollm2", "llama-server-f32", precision="f32"),
+                      progress=False, stats=stats)
+    ref = score_panel_hf(ensure_smollm2().hf_dir, panel, top_k=32, threads=1)
+    rec.check_compatible(ref)
+    assert rec.provenance.extra["keyed_by"] == ["id"] and rec.ambiguous is None and stats.ambiguous == 0
+    assert rec.n_positions == len(short.token_ids) - 1 == ref.n_positions
+    delta = np.abs(rec.actual_logprob - ref.actual_logprob)
+    assert np.median(delta) <= 2e-3 and np.max(delta) <= 2e-2
+    assert (rec.topk_ids[:, 0] == ref.topk_ids[:, 0]).mean() >= 0.98
 
 
 # ============================================================================================ llama-cpp-python (real)
@@ -107,9 +176,8 @@ def llama():
 @pytest.mark.engine
 def test_llamacpp_python_canary_within_llamacpp_tolerance(llama):
     got = llama.prompt_logprobs(CANARY, 5, seq_id="canary")
-    published = [-11.5393, -0.3376, -2.4387, -0.4510, -0.2581]          # engines.md §12.7 fp32 reference
     assert [p.position for p in got.positions] == [1, 2, 3, 4, 5]
-    for p, ref in zip(got.positions, published):
+    for p, ref in zip(got.positions, PUBLISHED_F32):
         assert abs(p.actual_logprob - ref) <= 2e-3, (p.position, p.actual_logprob, ref)
         assert not p.ambiguous
     assert got.positions[0].top_ids[:4] == (29, 28, 198, 79)            # position 1: from the prefix request
