@@ -7,6 +7,7 @@
   model name), so each one is checked against the server's own answer.
 * llama-cpp-python: against the REAL 0.3.36 server (profile llamacpp-f32, the F32 GGUF) — canary values,
   the one-position echo shift (abetlen/llama-cpp-python#1983), round-trip refusal, panel scoring.
+"""
 
 from __future__ import annotations
 
