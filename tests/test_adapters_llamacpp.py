@@ -49,6 +49,29 @@ def _require_llama_server() -> None:
         pytest.skip("llama-server is not built under the cache; run scripts/setup-llama-server.sh")
 
 
+def test_llama_server_profiles_resolve_to_the_built_binary():
+    from engine.launcher import load_profile, resolve
+
+    fake = {name: (lambda n=name: f"<{n}>") for name in ("llama_server", "gguf_f32", "gguf_q4_1", "cache", "stamp")}
+    for gguf, name in (("<gguf_f32>", "llama-server-f32"), ("<gguf_q4_1>", "llama-server-q4_1")):
+        prof = load_profile(name)
+        spec = resolve(prof, providers=fake)
+        argv = list(spec.argv)
+        assert prof.engine == "llama-server" and argv[0] == "<llama_server>"
+        assert argv[argv.index("--model") + 1] == gguf and argv[argv.index("--alias") + 1] == "smollm2"
+        assert argv[argv.index("--ctx-size") + 1] == "2048" and argv[argv.index("--parallel") + 1] == "1"
+        assert argv[argv.index("--port") + 1] == str(spec.port) and spec.port > 0
+        assert spec.health_url == f"http://127.0.0.1:{spec.port}/health"
+
+
+def test_llama_server_profile_without_a_build_names_the_setup_script(tmp_path, monkeypatch):
+    from engine.launcher import ProfileError, load_profile, resolve
+
+    monkeypatch.setenv("DS41_CACHE", str(tmp_path))
+    with pytest.raises(ProfileError, match="setup-llama-server.sh"):
+        resolve(load_profile("llama-server-f32"))
+
+
 @pytest.fixture(scope="module")
 def llama_server():
     from engine.client import ClientConfig, EngineClient
