@@ -89,9 +89,16 @@ def llama_server():
 def test_llama_server_canary_from_token_id_prefixes(llama_server):
     seen = Rewriting(llama_server, lambda b: b)
     got = llama_server.adapter.prompt_logprobs(seen, "canary", CANARY, 5)
-    assert [b["prompt"] for b in seen.bodies] == [CANARY[:i] for i in range(1, len(CANARY))]
-    assert all(b["n_probs"] == 5 and b["cache_prompt"] is False and b["n_predict"] == 1 for b in seen.bodies)
-    assert got.keyed_by == "id" and [p.position for p in got.positions] == [1, 2, 3, 4, 5]
+    top = [b for b in seen.bodies if b["n_probs"] == 5]
+    assert [b["prompt"] for b in top] == [CANARY[:i] for i in range(1, len(CANARY))]
+    assert all(b["n_predict"] == 1 and b["temperature"] == 0 for b in seen.bodies)
+    # the one-token prefix goes cold (empties the slot), every longer one reuses the previous prefix
+    assert [b["cache_prompt"] for b in top] == [False, True, True, True, True]
+    # " capital" (position 1) is outside the top-5: the same prefix again, wider
+    assert [(b["prompt"], b["n_probs"]) for b in seen.bodies if b["n_probs"] != 5] == \
+        [(CANARY[:1], 1024), (CANARY[:1], VOCAB_SMOLLM2)]
+    assert got.keyed_by == "id" and got.surface == "llama-server.completion.per-prefix.incremental"
+    assert [p.position for p in got.positions] == [1, 2, 3, 4, 5]
     for p, ref in zip(got.positions, PUBLISHED_F32):
         assert abs(p.actual_logprob - ref) <= 2e-3, (p.position, p.actual_logprob, ref)
         assert not p.ambiguous
@@ -101,13 +108,34 @@ def test_llama_server_canary_from_token_id_prefixes(llama_server):
 
 
 @pytest.mark.engine
-def test_llama_server_actual_outside_topk_read_from_the_full_vocabulary(llama_server):
+def test_llama_server_incremental_values_do_not_depend_on_what_was_served_before(llama_server):
+    """Positions scored with prefix reuse are decode steps of the sequence itself: the same values after
+    a cold prefill of a longer prompt sharing the prefix (a generation) sat in the slot's cache. Cold
+    prefixes (reuse_prefix=False) differ from them only by llama.cpp's batch-shape noise."""
+    first = llama_server.prompt_logprobs(CANARY, 5, seq_id="a")
+    llama_server.generate(CANARY + [13], 2, 1, seq_id="between")
+    again = llama_server.prompt_logprobs(CANARY, 5, seq_id="b")
+    assert [(p.actual_logprob, p.top_ids, p.top_logprobs) for p in first.positions] == \
+        [(p.actual_logprob, p.top_ids, p.top_logprobs) for p in again.positions]
+    cold_adapter = LlamaServerAdapter(vocab_size=VOCAB_SMOLLM2, reuse_prefix=False)
+    seen = Rewriting(llama_server, lambda b: b)
+    cold = cold_adapter.prompt_logprobs(seen, "cold", CANARY, 5)
+    assert all(b["cache_prompt"] is False for b in seen.bodies)
+    assert cold.surface == "llama-server.completion.per-prefix.cold"
+    assert first.positions[0].actual_logprob == cold.positions[0].actual_logprob   # one token: same computation
+    diffs = [abs(a.actual_logprob - b.actual_logprob) for a, b in zip(first.positions, cold.positions)]
+    assert max(diffs) <= 2e-3 and [p.top_ids[:3] for p in first.positions] == [p.top_ids[:3] for p in cold.positions]
+
+
+@pytest.mark.engine
+def test_llama_server_actual_outside_topk_read_from_wider_lists(llama_server):
     """Position 1's actual token (" capital", rank ~2923 under the reference) is far outside the top-3:
-    the adapter re-asks the same prefix with n_probs = vocabulary and reads its value and rank there."""
+    the adapter re-asks the same prefix with n_probs = 1024, then the whole vocabulary, and reads its value
+    and rank there; a token inside the 1024 list needs no full-vocabulary request."""
     seen = Rewriting(llama_server, lambda b: b)
     got = llama_server.adapter.prompt_logprobs(seen, "full", CANARY[:3], 3)
-    full = [b for b in seen.bodies if b["n_probs"] == VOCAB_SMOLLM2]
-    assert [b["prompt"] for b in full] == [CANARY[:1]]
+    wide = [(b["prompt"], b["n_probs"]) for b in seen.bodies if b["n_probs"] > 3]
+    assert wide == [(CANARY[:1], 1024), (CANARY[:1], VOCAB_SMOLLM2)]
     first = got.positions[0]
     assert first.actual_id == 3575 and first.actual_id not in first.top_ids
     assert abs(first.actual_logprob - PUBLISHED_F32[0]) <= 2e-3
@@ -120,9 +148,31 @@ def test_llama_server_actual_outside_topk_read_from_the_full_vocabulary(llama_se
     value = {e["id"]: e["logprob"] for e in entries}
     assert first.actual_logprob == value[3575]
     assert first.actual_rank == 1 + sum(v > value[3575] for v in value.values())
+    # " France" at position 3 is rank 2: outside a top-1, inside the 1024 list
+    seen = Rewriting(llama_server, lambda b: b)
+    got = llama_server.adapter.prompt_logprobs(seen, "wide", CANARY[:4], 1)
+    assert [b["n_probs"] for b in seen.bodies if b["prompt"] == CANARY[:3]] == [1, 1024]
+    assert got.positions[2].actual_rank == 2 and got.positions[2].top_ids == (260,)
     with pytest.raises(EngineResponseError) as ei:
-        LlamaServerAdapter(vocab_size=None).prompt_logprobs(llama_server, "nv", CANARY[:3], 3)
+        LlamaServerAdapter(vocab_size=None, wide_k=8).prompt_logprobs(llama_server, "nv", CANARY[:3], 3)
     assert ei.value.kind == Malformed.ACTUAL_MISSING and ei.value.seq_id == "nv" and ei.value.position == 1
+
+
+@pytest.mark.engine
+def test_llama_server_minus_flt_max_reads_as_minus_infinity(llama_server):
+    """llama-server writes a probability of 0 as float lowest() (-FLT_MAX). SmolLM2's logits never spread
+    far enough for a float32 softmax to underflow (the smallest full-vocabulary logprob on the canary is
+    about -28), so the real server cannot be made to write it here: this takes a real response and puts
+    the value its `logarithm(0)` writes into the last entry (a recorded shape with one edited value)."""
+    from engine.adapters.llamacpp import parse_completion_probs
+
+    reply = llama_server.post_json("/completion", {"prompt": CANARY[:5], "n_predict": 1, "n_probs": 5,
+                                                   "temperature": 0, "cache_prompt": False})
+    data = reply.data
+    assert min(e["logprob"] for e in data["completion_probabilities"][0]["top_logprobs"]) > -100
+    data["completion_probabilities"][0]["top_logprobs"][-1]["logprob"] = -3.4028234663852886e38
+    (gid, glp, ids, lps), = parse_completion_probs(data, 5, 1, 5, "smollm2", "flt", VOCAB_SMOLLM2, 5)
+    assert gid == 7042 and ids[0] == 7042 and lps[-1] == float("-inf") and all(np.isfinite(lps[:-1]))
 
 
 @pytest.mark.engine
@@ -137,6 +187,11 @@ def test_llama_server_evaluates_exactly_the_ids_sent(llama_server):
         llama_server.adapter.prompt_logprobs(grown, "grown", CANARY, 5)
     assert ei.value.kind == Malformed.PROMPT_IDS_MISMATCH and ei.value.position == 1
     assert "evaluated 2 prompt tokens, 1 sent" in str(ei.value)
+    # one token short (cut from a longer prefix): refused at the position whose prefix it was
+    short = Rewriting(llama_server, lambda b: {**b, "prompt": b["prompt"][:-1] or b["prompt"]})
+    with pytest.raises(EngineResponseError) as ei:
+        llama_server.adapter.prompt_logprobs(short, "short", CANARY, 5)
+    assert ei.value.kind == Malformed.PROMPT_IDS_MISMATCH and ei.value.position == 2
 
 
 @pytest.mark.engine

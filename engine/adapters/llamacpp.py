@@ -116,6 +116,9 @@ def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, mo
     out = []
     for j, p in enumerate(probs):
         pos = first_pos + j
+        if isinstance(p, dict) and "prob" in p and "logprob" not in p:
+            raise EngineResponseError(Malformed.MISSING_FIELD, f"completion_probabilities[{j}] has 'prob' "
+                                      "(post_sampling_probs) instead of 'logprob'", seq_id, pos)
         gid = token_id(need(p, "id", int, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
                        "generated id", seq_id, pos, vocab)
         glp = logprob_value(need(p, "logprob", float, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
