@@ -72,6 +72,26 @@ def test_llama_server_profile_without_a_build_names_the_setup_script(tmp_path, m
         resolve(load_profile("llama-server-f32"))
 
 
+@pytest.mark.engine
+def test_llama_server_setup_is_cached_and_the_binary_runs():
+    """A second set-up finds the stamped build (sdist hash + flags) and prints the binary without building."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    _require_llama_server()
+    root = Path(__file__).resolve().parents[1]
+    t0 = time.perf_counter()
+    out = subprocess.run(["bash", str(root / "scripts" / "setup-llama-server.sh")], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert time.perf_counter() - t0 < 10
+    binary = Path(out.stdout.strip())
+    assert binary.name == "llama-server" and binary.is_file()
+    assert (binary.parent.parent / "CMAKE_ARGS").read_text().split().count("-DGGML_NATIVE=OFF") == 1
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and "version:" in version.stdout + version.stderr
+
+
 @pytest.fixture(scope="module")
 def llama_server():
     from engine.client import ClientConfig, EngineClient
