@@ -17,6 +17,11 @@ host-memory prompt cache, ``--cache-ram 0``, so no other saved state is swapped 
 llama.cpp's batch-shape noise (~4e-4 on the F32 GGUF); ``reuse_prefix=False`` sends ``cache_prompt:
 false`` and evaluates every prefix cold (the record's surface says which).
 
+When the greedy token's text ends in half a UTF-8 character the server withholds its probabilities
+(it waits for the rest of the character); the adapter then bans that token from sampling
+(``logit_bias``) and asks again: the reported values are the raw logits' softmax, unchanged by the ban,
+and the banned token must come back as the top entry.
+
 The actual token is not appended to the list, so when it falls outside the top-k the same prefix is
 asked again, first with ``n_probs = wide_k`` and, if still missing, ``n_probs = vocab_size`` (no cap on
 this server), to read its logprob and rank; with the prefix cached that request repeats the same
@@ -139,6 +144,20 @@ def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, mo
     return out
 
 
+MAX_PARTIAL_BANS = 8
+
+
+def _withheld_partial_token(data: Any, n_prompt: int) -> int | None:
+    """The sampled id when llama-server withheld one token's probabilities (its text ends mid-character)."""
+    if not isinstance(data, dict) or data.get("completion_probabilities") not in (None, []):
+        return None
+    toks = data.get("tokens")
+    if data.get("tokens_evaluated") != n_prompt or not isinstance(toks, list) or len(toks) != 1:
+        return None
+    tid = toks[0]
+    return tid if isinstance(tid, int) and not isinstance(tid, bool) else None
+
+
 class LlamaServerAdapter:
     name = "llama-server"
     keyed_by = "id"
@@ -160,13 +179,35 @@ class LlamaServerAdapter:
         # the one-token prefix always goes cold: it empties the slot's cache, so everything cached after it
         # was computed by this sequence's own one-token steps, whatever the server served before
         cache = self.reuse_prefix and len(prefix) > 1
-        reply = transport.post_json(COMPLETION, prefix_request(prefix, n_probs, cache), seq_id=seq_id)
+        body = prefix_request(prefix, n_probs, cache)
+        timing = HttpTiming()
+        banned: list[int] = []
+        while True:
+            reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+            timing = timing + HttpTiming(1, reply.elapsed_s)
+            withheld = _withheld_partial_token(reply.data, len(prefix))
+            if withheld is None or len(banned) >= MAX_PARTIAL_BANS:
+                break
+            # The sampled token ends in half a UTF-8 character, so the server holds its text back and with
+            # it the probabilities (it waits for the next token, and n_predict = 1 ends first). The reported
+            # values are the raw logits' softmax, which no sampler setting touches: ban that token from
+            # sampling and ask again; the banned token still appears in the list with its own value.
+            if withheld in banned:
+                raise EngineResponseError(Malformed.MISSING_LOGPROBS, f"token {withheld} sampled although banned "
+                                          "(logit_bias not honoured?)", seq_id, pos, reply.url)
+            banned.append(withheld)
+            body = {**body, "logit_bias": [[t, False] for t in banned]}
         try:
             (_, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, n_probs, self._model(transport),
                                                        seq_id, self.vocab_size, pos)
         except EngineResponseError as exc:
             raise exc.at(seq_id, reply.url, pos) from None
-        return ids, lps, HttpTiming(1, reply.elapsed_s)
+        for j, t in enumerate(banned[:len(ids)]):
+            # the j-th banned token was the greedy choice once j tokens were banned: it must hold rank j+1
+            if t not in ids or lps[ids.index(t)] < lps[j]:
+                raise EngineResponseError(Malformed.RANK_ORDER, f"banned token {t} is not entry {j + 1}: the values "
+                                          "moved with logit_bias", seq_id, pos, reply.url)
+        return ids, lps, timing
 
     def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
                         cache_salt: str | None = None) -> SequenceLogprobs:
