@@ -178,6 +178,30 @@ def test_llama_server_actual_outside_topk_read_from_wider_lists(llama_server):
     assert ei.value.kind == Malformed.ACTUAL_MISSING and ei.value.seq_id == "nv" and ei.value.position == 1
 
 
+# "Modular arithmetic works with remainders. We write a ≡ b (mod m) when m divides a": after it the greedy
+# token is 21004, " " plus the first two bytes of "≡", whose text the server cannot send yet
+MID_CHARACTER = [4828, 755, 20270, 1806, 351, 2612, 11503, 30, 1046, 2965, 253, 21004, 111, 278, 365, 2172, 283, 25,
+                 645, 283, 20751, 253]
+
+
+@pytest.mark.engine
+def test_llama_server_greedy_token_ending_mid_character_is_banned_and_asked_again(llama_server):
+    raw = llama_server.post_json("/completion", {"prompt": MID_CHARACTER, "n_predict": 1, "n_probs": 5,
+                                                 "temperature": 0, "cache_prompt": False, "return_tokens": True})
+    assert raw.data["tokens"] == [21004] and "completion_probabilities" not in raw.data   # withheld
+    seen = Rewriting(llama_server, lambda b: b)
+    cold = LlamaServerAdapter(vocab_size=VOCAB_SMOLLM2, reuse_prefix=False)   # compared with cold requests below
+    ids, lps, timing = cold._prefix_dist(seen, "mid", MID_CHARACTER, 5, len(MID_CHARACTER))
+    assert [b.get("logit_bias") for b in seen.bodies] == [None, [[21004, False]]] and timing.requests == 2
+    assert ids[0] == 21004 and len(ids) == 5           # the banned token still reported, first, with its value
+    # the values are those of the unbanned distribution: the same prefix asked for a wider list
+    wide = llama_server.post_json("/completion", {"prompt": MID_CHARACTER, "n_predict": 1, "n_probs": 6,
+                                                  "temperature": 0, "cache_prompt": False,
+                                                  "logit_bias": [[21004, False], [284, False]]})
+    top = wide.data["completion_probabilities"][0]["top_logprobs"]
+    assert [e["id"] for e in top[:5]] == ids and [e["logprob"] for e in top[:5]] == lps
+
+
 @pytest.mark.engine
 def test_llama_server_minus_flt_max_reads_as_minus_infinity(llama_server):
     """llama-server writes a probability of 0 as float lowest() (-FLT_MAX). SmolLM2's logits never spread
