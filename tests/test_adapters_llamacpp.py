@@ -182,24 +182,32 @@ def test_llama_server_actual_outside_topk_read_from_wider_lists(llama_server):
 # token is 21004, " " plus the first two bytes of "≡", whose text the server cannot send yet
 MID_CHARACTER = [4828, 755, 20270, 1806, 351, 2612, 11503, 30, 1046, 2965, 253, 21004, 111, 278, 365, 2172, 283, 25,
                  645, 283, 20751, 253]
+# a chat turn in Chinese ending in "绿": ten single- and double-byte tokens lead the next position
+MID_CHARACTER_ZH = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
+                    8182, 2, 198, 1, 4093, 198, 20887, 140]
 
 
 @pytest.mark.engine
-def test_llama_server_greedy_token_ending_mid_character_is_banned_and_asked_again(llama_server):
-    raw = llama_server.post_json("/completion", {"prompt": MID_CHARACTER, "n_predict": 1, "n_probs": 5,
+@pytest.mark.parametrize("prefix,greedy", [(MID_CHARACTER, 21004), (MID_CHARACTER_ZH, 177)], ids=["en", "zh"])
+def test_llama_server_greedy_token_ending_mid_character_is_asked_again(llama_server, prefix, greedy):
+    raw = llama_server.post_json("/completion", {"prompt": prefix, "n_predict": 1, "n_probs": 5,
                                                  "temperature": 0, "cache_prompt": False, "return_tokens": True})
-    assert raw.data["tokens"] == [21004] and "completion_probabilities" not in raw.data   # withheld
+    assert raw.data["tokens"] == [greedy] and "completion_probabilities" not in raw.data   # withheld
+    period = llama_server.post_json("/tokenize", {"content": ".", "with_pieces": True}).data["tokens"][0]["id"]
     seen = Rewriting(llama_server, lambda b: b)
     cold = LlamaServerAdapter(vocab_size=VOCAB_SMOLLM2, reuse_prefix=False)   # compared with cold requests below
-    ids, lps, timing = cold._prefix_dist(seen, "mid", MID_CHARACTER, 5, len(MID_CHARACTER))
-    assert [b.get("logit_bias") for b in seen.bodies] == [None, [[21004, False]]] and timing.requests == 2
-    assert ids[0] == 21004 and len(ids) == 5           # the banned token still reported, first, with its value
-    # the values are those of the unbanned distribution: the same prefix asked for a wider list
-    wide = llama_server.post_json("/completion", {"prompt": MID_CHARACTER, "n_predict": 1, "n_probs": 6,
-                                                  "temperature": 0, "cache_prompt": False,
-                                                  "logit_bias": [[21004, False], [284, False]]})
-    top = wide.data["completion_probabilities"][0]["top_logprobs"]
-    assert [e["id"] for e in top[:5]] == ids and [e["logprob"] for e in top[:5]] == lps
+    ids, lps, timing = cold._prefix_dist(seen, "mid", prefix, 5, len(prefix))
+    assert [b.get("logit_bias") for b in seen.bodies if "prompt" in b] == [None, [[period, 1e6]]]
+    assert timing.requests == 2
+    assert ids[0] == greedy and len(ids) == 5           # the withheld token reported, first, with its value
+    # the values do not depend on where the sampler is pushed: the same prefix, pushed onto ","
+    comma = llama_server.post_json("/tokenize", {"content": ","}).data["tokens"][0]
+    other = llama_server.post_json("/completion", {"prompt": prefix, "n_predict": 1, "n_probs": 5,
+                                                   "temperature": 0, "cache_prompt": False, "return_tokens": True,
+                                                   "logit_bias": [[comma, 1e6]]})
+    top = other.data["completion_probabilities"][0]["top_logprobs"]
+    assert other.data["tokens"] == [comma] != [period]
+    assert [e["id"] for e in top] == ids and [e["logprob"] for e in top] == lps
 
 
 @pytest.mark.engine

@@ -18,14 +18,16 @@ llama.cpp's batch-shape noise (~4e-4 on the F32 GGUF); ``reuse_prefix=False`` se
 false`` and evaluates every prefix cold (the record's surface says which).
 
 When the greedy token's text ends in half a UTF-8 character the server withholds its probabilities
-(it waits for the rest of the character); the adapter then bans that token from sampling
-(``logit_bias``) and asks again: the reported values are the raw logits' softmax, unchanged by the ban,
-and the banned token must come back as the top entry.
+(it waits for the rest of the character; in Chinese text ten partial-byte tokens in a row can lead).
+The adapter then asks again with ``logit_bias`` pushing the sampler onto a whole-character token (the
+server's own tokenization of "."): the reported values are the raw logits' softmax, which the sampler
+does not touch, and the withheld greedy token must come back as the top entry.
 
 The actual token is not appended to the list, so when it falls outside the top-k the same prefix is
 asked again, first with ``n_probs = wide_k`` and, if still missing, ``n_probs = vocab_size`` (no cap on
 this server), to read its logprob and rank; with the prefix cached that request repeats the same
-one-token computation, so its values are the first request's. Without a known vocabulary size an actual
+one-token computation, so its values are the first request's up to the float32 rounding of the softmax's
+sum (~1e-6: the server adds the terms in an order that depends on ``n_probs``). Without a known vocabulary size an actual
 token outside the wide list is an ``actual_missing`` error.
 
 **llama-cpp-python** (§6, 0.3.36). Text prompts only, and no ids anywhere in the logprobs. For a
@@ -144,7 +146,7 @@ def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, mo
     return out
 
 
-MAX_PARTIAL_BANS = 8
+FORCE_BIAS = 1e6  # added to one logit in the sampler only; far above any logit gap
 
 
 def _withheld_partial_token(data: Any, n_prompt: int) -> int | None:
@@ -171,42 +173,49 @@ class LlamaServerAdapter:
         self.reuse_prefix = reuse_prefix
         self.wide_k = wide_k
         self.surface = "llama-server.completion.per-prefix" + (".incremental" if reuse_prefix else ".cold")
+        self._whole_token: int | None = None
 
     def _model(self, transport: Transport) -> str | None:
         return transport.model if self.check_model_name else None
+
+    def _complete_token(self, transport: Transport, seq_id: str) -> int:
+        """An id whose text is one whole ASCII character (the server's own tokenization of "."), cached."""
+        if self._whole_token is None:
+            reply = transport.post_json("/tokenize", {"content": ".", "with_pieces": True}, seq_id=seq_id)
+            toks = need(reply.data, "tokens", list, "/tokenize response", seq_id=seq_id)
+            if len(toks) != 1 or not isinstance(toks[0], dict) or toks[0].get("piece") != ".":
+                raise EngineResponseError(Malformed.TOKENIZE_MISMATCH, f"/tokenize of '.' gave {toks!r}, expected one "
+                                          "token with piece '.'", seq_id, None, reply.url)
+            self._whole_token = token_id(toks[0].get("id"), "/tokenize id", seq_id, None, self.vocab_size)
+        return self._whole_token
 
     def _prefix_dist(self, transport: Transport, seq_id: str, prefix: list[int], n_probs: int, pos: int):
         # the one-token prefix always goes cold: it empties the slot's cache, so everything cached after it
         # was computed by this sequence's own one-token steps, whatever the server served before
         cache = self.reuse_prefix and len(prefix) > 1
         body = prefix_request(prefix, n_probs, cache)
-        timing = HttpTiming()
-        banned: list[int] = []
-        while True:
+        reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+        timing = HttpTiming(1, reply.elapsed_s)
+        withheld = _withheld_partial_token(reply.data, len(prefix))
+        if withheld is not None:
+            # The greedy token ends in half a UTF-8 character, so the server holds its text back and with it
+            # the probabilities (it waits for the next token; n_predict = 1 ends first). The reported values
+            # are the softmax of the raw logits, which sampler settings do not touch: ask again with the
+            # sampler pushed onto a whole-character token; the withheld token must come back as the top entry.
+            whole = self._complete_token(transport, seq_id)
+            body = {**body, "logit_bias": [[whole, FORCE_BIAS]]}
             reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
             timing = timing + HttpTiming(1, reply.elapsed_s)
-            withheld = _withheld_partial_token(reply.data, len(prefix))
-            if withheld is None or len(banned) >= MAX_PARTIAL_BANS:
-                break
-            # The sampled token ends in half a UTF-8 character, so the server holds its text back and with
-            # it the probabilities (it waits for the next token, and n_predict = 1 ends first). The reported
-            # values are the raw logits' softmax, which no sampler setting touches: ban that token from
-            # sampling and ask again; the banned token still appears in the list with its own value.
-            if withheld in banned:
-                raise EngineResponseError(Malformed.MISSING_LOGPROBS, f"token {withheld} sampled although banned "
-                                          "(logit_bias not honoured?)", seq_id, pos, reply.url)
-            banned.append(withheld)
-            body = {**body, "logit_bias": [[t, False] for t in banned]}
         try:
-            (_, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, n_probs, self._model(transport),
-                                                       seq_id, self.vocab_size, pos)
+            (gid, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, n_probs, self._model(transport),
+                                                         seq_id, self.vocab_size, pos)
         except EngineResponseError as exc:
             raise exc.at(seq_id, reply.url, pos) from None
-        for j, t in enumerate(banned[:len(ids)]):
-            # the j-th banned token was the greedy choice once j tokens were banned: it must hold rank j+1
-            if t not in ids or lps[ids.index(t)] < lps[j]:
-                raise EngineResponseError(Malformed.RANK_ORDER, f"banned token {t} is not entry {j + 1}: the values "
-                                          "moved with logit_bias", seq_id, pos, reply.url)
+        if withheld is not None and (gid != self._whole_token or withheld not in ids or
+                                     lps[ids.index(withheld)] < lps[0]):
+            raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"after pushing the sampler onto token "
+                                      f"{self._whole_token}, sampled {gid} and the withheld greedy token {withheld} is "
+                                      "not the top entry: the values moved with logit_bias", seq_id, pos, reply.url)
         return ids, lps, timing
 
     def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
