@@ -13,9 +13,10 @@ panel would take most of an hour). Every position is then computed exactly as a 
 sequence: the one-token prefix is sent cold (``cache_prompt: false`` empties the slot), so each cached
 entry was computed one token at a time with its own causal history and the values do not depend on what
 the server served before (it always re-evaluates at least the last token; the profiles turn off the
-host-memory prompt cache, ``--cache-ram 0``, so no other saved state is swapped in). They differ from a cold prompt evaluation of the whole prefix (a batch of i tokens) by
-llama.cpp's batch-shape noise (~4e-4 on the F32 GGUF); ``reuse_prefix=False`` sends ``cache_prompt:
-false`` and evaluates every prefix cold (the record's surface says which).
+host-memory prompt cache, ``--cache-ram 0``, so no other saved state is swapped in). They differ from
+a cold prompt evaluation of the whole prefix (a batch of i tokens) by llama.cpp's batch-shape noise
+(F32 GGUF, one 196-token sequence: median |Δ| 1.2e-3, max 1.4e-2); ``reuse_prefix=False`` sends
+``cache_prompt: false`` and evaluates every prefix cold (the record's surface says which).
 
 When the greedy token's text ends in half a UTF-8 character the server withholds its probabilities
 (it waits for the rest of the character; in Chinese text ten partial-byte tokens in a row can lead).
@@ -27,8 +28,8 @@ The actual token is not appended to the list, so when it falls outside the top-k
 asked again, first with ``n_probs = wide_k`` and, if still missing, ``n_probs = vocab_size`` (no cap on
 this server), to read its logprob and rank; with the prefix cached that request repeats the same
 one-token computation, so its values are the first request's up to the float32 rounding of the softmax's
-sum (~1e-6: the server adds the terms in an order that depends on ``n_probs``). Without a known vocabulary size an actual
-token outside the wide list is an ``actual_missing`` error.
+sum (~1e-6: the server adds the terms in an order that depends on ``n_probs``). Without a known
+vocabulary size an actual token outside the wide list is an ``actual_missing`` error.
 
 **llama-cpp-python** (§6, 0.3.36). Text prompts only, and no ids anywhere in the logprobs. For a
 token-id sequence the adapter detokenizes with ``/extras/detokenize``, re-tokenizes with
