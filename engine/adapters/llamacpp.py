@@ -2,12 +2,34 @@
 
 **llama-server** (engines.md §5). Every entry carries its ``id``, but there are no prompt logprobs: prompt
 position i is scored by one request per prefix, ``POST /completion`` with ``prompt = ids[:i]``,
-``n_predict = 1``, ``n_probs = k``, temperature 0 and ``cache_prompt: false`` (prefix reuse moves values by
-~4e-4), reading the first generated position's pre-sampling ``top_logprobs``. The actual token is not
-appended to the list, so when it falls outside the top-k the same prefix is asked again with
-``n_probs = vocab_size`` (no cap on this server) to read its logprob and rank; without a known vocabulary
-size that case is an ``actual_missing`` error. Values ≤ −9999 (llama-server writes ``-FLT_MAX`` for
-probability 0) are −inf. ``tokens_evaluated`` must equal the prefix length (alignment self-check).
+``n_predict = 1``, ``n_probs = k``, temperature 0, reading the first generated position's pre-sampling
+``top_logprobs``. ``tokens_evaluated`` must equal the prefix length (alignment self-check). Values
+≤ −9999 (llama-server writes ``-FLT_MAX`` for probability 0) are −inf.
+
+Prefixes go in order with ``cache_prompt: true`` (``reuse_prefix``, the default): the server keeps the
+previous prefix's KV cache and evaluates only the one new token, so a sequence of n tokens costs n
+one-token steps instead of n²/2 prompt tokens (on the 2-core rig a 150-token prefix is ~1 s cold, so the
+panel would take most of an hour). Every position is then computed exactly as a decode step of the same
+sequence: the one-token prefix is sent cold (``cache_prompt: false`` empties the slot), so each cached
+entry was computed one token at a time with its own causal history and the values do not depend on what
+the server served before (it always re-evaluates at least the last token; the profiles turn off the
+host-memory prompt cache, ``--cache-ram 0``, so no other saved state is swapped in). They differ from
+a cold prompt evaluation of the whole prefix (a batch of i tokens) by llama.cpp's batch-shape noise
+(F32 GGUF, one 196-token sequence: median |Δ| 1.2e-3, max 1.4e-2); ``reuse_prefix=False`` sends
+``cache_prompt: false`` and evaluates every prefix cold (the record's surface says which).
+
+When the greedy token's text ends in half a UTF-8 character the server withholds its probabilities
+(it waits for the rest of the character; in Chinese text ten partial-byte tokens in a row can lead).
+The adapter then asks again with ``logit_bias`` pushing the sampler onto a whole-character token (the
+server's own tokenization of "."): the reported values are the raw logits' softmax, which the sampler
+does not touch, and the withheld greedy token must come back as the top entry.
+
+The actual token is not appended to the list, so when it falls outside the top-k the same prefix is
+asked again, first with ``n_probs = wide_k`` and, if still missing, ``n_probs = vocab_size`` (no cap on
+this server), to read its logprob and rank; with the prefix cached that request repeats the same
+one-token computation, so its values are the first request's up to the float32 rounding of the softmax's
+sum (~1e-6: the server adds the terms in an order that depends on ``n_probs``). Without a known
+vocabulary size an actual token outside the wide list is an ``actual_missing`` error.
 
 **llama-cpp-python** (§6, 0.3.36). Text prompts only, and no ids anywhere in the logprobs. For a
 token-id sequence the adapter detokenizes with ``/extras/detokenize``, re-tokenizes with
@@ -49,8 +71,8 @@ COMPLETION = "/completion"
 
 
 # ============================================================================================== llama-server
-def prefix_request(prefix: Sequence[int], k: int) -> dict[str, Any]:
-    return {"prompt": list(prefix), "n_predict": 1, "n_probs": k, "temperature": 0, "cache_prompt": False,
+def prefix_request(prefix: Sequence[int], k: int, cache_prompt: bool = False) -> dict[str, Any]:
+    return {"prompt": list(prefix), "n_predict": 1, "n_probs": k, "temperature": 0, "cache_prompt": cache_prompt,
             "return_tokens": True, "post_sampling_probs": False}
 
 
@@ -102,6 +124,9 @@ def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, mo
     out = []
     for j, p in enumerate(probs):
         pos = first_pos + j
+        if isinstance(p, dict) and "prob" in p and "logprob" not in p:
+            raise EngineResponseError(Malformed.MISSING_FIELD, f"completion_probabilities[{j}] has 'prob' "
+                                      "(post_sampling_probs) instead of 'logprob'", seq_id, pos)
         gid = token_id(need(p, "id", int, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
                        "generated id", seq_id, pos, vocab)
         glp = logprob_value(need(p, "logprob", float, f"completion_probabilities[{j}]", seq_id=seq_id, position=pos),
@@ -122,17 +147,77 @@ def parse_completion_probs(data: Any, n_prompt: int, n_expected: int, k: int, mo
     return out
 
 
+FORCE_BIAS = 1e6  # added to one logit in the sampler only; far above any logit gap
+
+
+def _withheld_partial_token(data: Any, n_prompt: int) -> int | None:
+    """The sampled id when llama-server withheld one token's probabilities (its text ends mid-character)."""
+    if not isinstance(data, dict) or data.get("completion_probabilities") not in (None, []):
+        return None
+    toks = data.get("tokens")
+    if data.get("tokens_evaluated") != n_prompt or not isinstance(toks, list) or len(toks) != 1:
+        return None
+    tid = toks[0]
+    return tid if isinstance(tid, int) and not isinstance(tid, bool) else None
+
+
 class LlamaServerAdapter:
     name = "llama-server"
     keyed_by = "id"
-    surface = "llama-server.completion.per-prefix"
 
-    def __init__(self, vocab_size: int | None = None, check_model_name: bool = True):
+    def __init__(self, vocab_size: int | None = None, check_model_name: bool = True, reuse_prefix: bool = True,
+                 wide_k: int = 1024):
+        if wide_k < 1:
+            raise ValueError(f"wide_k must be >= 1, got {wide_k}")
         self.vocab_size = vocab_size
         self.check_model_name = check_model_name
+        self.reuse_prefix = reuse_prefix
+        self.wide_k = wide_k
+        self.surface = "llama-server.completion.per-prefix" + (".incremental" if reuse_prefix else ".cold")
+        self._whole_token: int | None = None
 
     def _model(self, transport: Transport) -> str | None:
         return transport.model if self.check_model_name else None
+
+    def _complete_token(self, transport: Transport, seq_id: str) -> int:
+        """An id whose text is one whole ASCII character (the server's own tokenization of "."), cached."""
+        if self._whole_token is None:
+            reply = transport.post_json("/tokenize", {"content": ".", "with_pieces": True}, seq_id=seq_id)
+            toks = need(reply.data, "tokens", list, "/tokenize response", seq_id=seq_id)
+            if len(toks) != 1 or not isinstance(toks[0], dict) or toks[0].get("piece") != ".":
+                raise EngineResponseError(Malformed.TOKENIZE_MISMATCH, f"/tokenize of '.' gave {toks!r}, expected one "
+                                          "token with piece '.'", seq_id, None, reply.url)
+            self._whole_token = token_id(toks[0].get("id"), "/tokenize id", seq_id, None, self.vocab_size)
+        return self._whole_token
+
+    def _prefix_dist(self, transport: Transport, seq_id: str, prefix: list[int], n_probs: int, pos: int):
+        # the one-token prefix always goes cold: it empties the slot's cache, so everything cached after it
+        # was computed by this sequence's own one-token steps, whatever the server served before
+        cache = self.reuse_prefix and len(prefix) > 1
+        body = prefix_request(prefix, n_probs, cache)
+        reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+        timing = HttpTiming(1, reply.elapsed_s)
+        withheld = _withheld_partial_token(reply.data, len(prefix))
+        if withheld is not None:
+            # The greedy token ends in half a UTF-8 character, so the server holds its text back and with it
+            # the probabilities (it waits for the next token; n_predict = 1 ends first). The reported values
+            # are the softmax of the raw logits, which sampler settings do not touch: ask again with the
+            # sampler pushed onto a whole-character token; the withheld token must come back as the top entry.
+            whole = self._complete_token(transport, seq_id)
+            body = {**body, "logit_bias": [[whole, FORCE_BIAS]]}
+            reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
+            timing = timing + HttpTiming(1, reply.elapsed_s)
+        try:
+            (gid, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, n_probs, self._model(transport),
+                                                         seq_id, self.vocab_size, pos)
+        except EngineResponseError as exc:
+            raise exc.at(seq_id, reply.url, pos) from None
+        if withheld is not None and (gid != self._whole_token or withheld not in ids or
+                                     lps[ids.index(withheld)] < lps[0]):
+            raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT, f"after pushing the sampler onto token "
+                                      f"{self._whole_token}, sampled {gid} and the withheld greedy token {withheld} is "
+                                      "not the top entry: the values moved with logit_bias", seq_id, pos, reply.url)
+        return ids, lps, timing
 
     def prompt_logprobs(self, transport: Transport, seq_id: str, token_ids: Sequence[int], k: int, *,
                         cache_salt: str | None = None) -> SequenceLogprobs:
@@ -140,19 +225,14 @@ class LlamaServerAdapter:
         rows: list[PositionLogprobs] = []
         timing = HttpTiming()
         for i in range(1, len(ids)):
-            reply = transport.post_json(COMPLETION, prefix_request(ids[:i], k), seq_id=seq_id)
-            timing = timing + HttpTiming(1, reply.elapsed_s)
-            try:
-                (_, _, top_ids, top_lps), = parse_completion_probs(reply.data, i, 1, k, self._model(transport), seq_id,
-                                                                   self.vocab_size, i)
-            except EngineResponseError as exc:
-                raise exc.at(seq_id, reply.url, i) from None
+            top_ids, top_lps, t = self._prefix_dist(transport, seq_id, ids[:i], k, i)
+            timing = timing + t
             actual = ids[i]
             if actual in top_ids:
                 j = top_ids.index(actual)
                 rows.append(PositionLogprobs(i, actual, top_lps[j], j + 1, tuple(top_ids), tuple(top_lps)))
                 continue
-            lp, rank, extra = self._actual_from_full(transport, seq_id, ids[:i], actual, i)
+            lp, rank, extra = self._actual_outside_topk(transport, seq_id, ids[:i], actual, i, k)
             timing = timing + extra
             if lp > top_lps[-1] + 1e-6:
                 raise EngineResponseError(Malformed.ACTUAL_INCONSISTENT,
@@ -161,23 +241,26 @@ class LlamaServerAdapter:
             rows.append(PositionLogprobs(i, actual, lp, rank, tuple(top_ids), tuple(top_lps)))
         return SequenceLogprobs(seq_id, tuple(ids), k, self.surface, "id", tuple(rows), timing, None)
 
-    def _actual_from_full(self, transport: Transport, seq_id: str, prefix: list[int], actual: int, pos: int):
-        if self.vocab_size is None:
-            raise EngineResponseError(Malformed.ACTUAL_MISSING,
-                                      f"actual id {actual} is outside the top-k and llama-server does not append it; "
-                                      "give the adapter vocab_size to re-ask with n_probs = vocabulary", seq_id, pos)
-        reply = transport.post_json(COMPLETION, prefix_request(prefix, self.vocab_size), seq_id=seq_id)
-        try:
-            (_, _, ids, lps), = parse_completion_probs(reply.data, len(prefix), 1, self.vocab_size,
-                                                       self._model(transport), seq_id, self.vocab_size, pos)
-        except EngineResponseError as exc:
-            raise exc.at(seq_id, reply.url) from None
-        if actual not in ids:
-            raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual id {actual} absent from the full distribution",
-                                      seq_id, pos)
-        lp = lps[ids.index(actual)]
-        rank = 1 + sum(1 for x in lps if x > lp)
-        return lp, rank, HttpTiming(1, reply.elapsed_s)
+    def _actual_outside_topk(self, transport: Transport, seq_id: str, prefix: list[int], actual: int, pos: int,
+                             k: int):
+        """The actual token's logprob and rank from a wider list of the same prefix, then the whole vocabulary."""
+        timing = HttpTiming()
+        ladder = [n for n in (self.wide_k, self.vocab_size) if n is not None and n > k]
+        if self.vocab_size is not None:
+            ladder = [n for n in ladder if n <= self.vocab_size]
+        for n_probs in dict.fromkeys(ladder):
+            ids, lps, t = self._prefix_dist(transport, seq_id, prefix, n_probs, pos)
+            timing = timing + t
+            if actual in ids:
+                lp = lps[ids.index(actual)]
+                return lp, 1 + sum(1 for x in lps if x > lp), timing
+            if n_probs == self.vocab_size:
+                raise EngineResponseError(Malformed.ACTUAL_MISSING, f"actual id {actual} absent from the full "
+                                          "distribution", seq_id, pos)
+        raise EngineResponseError(Malformed.ACTUAL_MISSING,
+                                  f"actual id {actual} is outside the top-{max(ladder, default=k)} and llama-server "
+                                  "does not append it; give the adapter vocab_size to re-ask with n_probs = "
+                                  "vocabulary", seq_id, pos)
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
                  **_: Any) -> Generation:
