@@ -13,7 +13,7 @@ depend on the chunk size.
 Rest masses: 1 − Σ_S p is taken from a compensated (Neumaier) sum, exact to the rounding of the exp
 values, where the definition's −expm1(logsumexp) loses about one ulp of 1 (≈1e-16 absolute). The two
 therefore agree to that absolute error in P_rest / Q_rest, which moves KL_part's rest term by about
-P_rest·1e-16/Q_rest; tests/test_metrics_kernel.py states the tolerance.
+P_rest·1e-16/Q_rest; tests/core/test_metrics_kernel.py states the tolerance.
 """
 
 from __future__ import annotations

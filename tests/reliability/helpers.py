@@ -3,7 +3,7 @@
 The canned server is the one place a fake engine is right: it serves exactly the bytes a test scripts
 (malformed bodies, 5xx, hostile text) and records every request with its headers and arrival time, so
 retries, backoff and the ``Authorization`` header can be checked from the server's side. Well-formed
-answers reuse the vLLM 0.32 shapes of ``tests/test_client_malformed.py`` (``vllm_prompt_response``).
+answers reuse the vLLM 0.32 shapes of ``tests/engine/test_client_malformed.py`` (``vllm_prompt_response``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from core.records import Provenance, Record, SequenceScores
-from tests.test_client_malformed import VOCAB, distribution, vllm_prompt_response
+from tests.engine.test_client_malformed import VOCAB, distribution, vllm_prompt_response
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""A stand-in gate suite for the nightly runner's own tests (tests/test_nightly.py): no engine.
+"""A stand-in gate suite for the nightly runner's own tests (tests/nightly/test_nightly.py): no engine.
 
 Not collected by default (no test_ prefix); the nightly config names it. FAKE_GATE_MODE=green|regress (env):
 `regress` makes the engine record noisier (per-prompt KL up on every prompt) and fails the exact gate.
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.recordkit import pair_of_records
+from tests.core.recordkit import pair_of_records
 
 pytestmark = pytest.mark.gate
 

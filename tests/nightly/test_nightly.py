@@ -1,0 +1,289 @@
+"""The nightly runner (nightly/runner.py, nightly/history.py, nightly/trends.py, `ds41gate nightly`).
+
+Fast tests use a fake runner or the stand-in gate suite tests/data/nightly/fake_gate.py (real pytest
+subprocesses through the real plugin, no engine). The engine test at the end runs the whole flow on vLLM CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nightly import history as H
+from nightly import runner as N
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_GATE = "tests/data/nightly/fake_gate.py"
+
+
+def _cfg(tmp_path: Path, mode: str = "green", extra: str = "") -> Path:
+    p = tmp_path / f"nightly-{mode}.toml"
+    p.write_text(f"""
+[nightly]
+name = "unit"
+gates = ["{FAKE_GATE}"]
+cell_timeout_s = 300
+[[cells]]
+name = "fake"
+profile = "vllm-cpu-fp32"
+env = {{ FAKE_GATE_MODE = "{mode}" }}
+{extra}
+""")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ config
+
+def test_config_matrix_and_cells(tmp_path):
+    (tmp_path / "inj.toml").write_text("")
+    cfg = N.parse_config({
+        "nightly": {"name": "n", "registry": ["nightly/flags-vllm-cpu.toml"], "regression": {"alpha": 0.01}},
+        "matrix": {"profiles": ["vllm-cpu-fp32", "vllm-cpu-bf16"], "flag_sets": [[], ["no_prefix_cache"]]},
+        "cells": [{"name": "inj", "profile": "inj.toml", "flags": ["a"], "gates": ["gates/test_kl_panel.py"]}],
+    }, "n.toml", tmp_path)
+    assert [c.name for c in cfg.cells] == ["vllm-cpu-fp32", "vllm-cpu-fp32+no_prefix_cache", "vllm-cpu-bf16",
+                                           "vllm-cpu-bf16+no_prefix_cache", "inj"]
+    assert cfg.cells[-1].profile == str((tmp_path / "inj.toml").resolve()) and cfg.rule.alpha == 0.01
+    argv = N.cell_argv(cfg, cfg.cells[1], tmp_path / "c")
+    assert argv[argv.index("--engine-profile") + 1] == "vllm-cpu-fp32"
+    assert argv[argv.index("--flag") + 1] == "no_prefix_cache" and "--per-prompt-metrics" in argv
+    assert argv[argv.index("--flag-registry") + 1] == str(REPO / "nightly/flags-vllm-cpu.toml")
+    assert argv[3:5] == list(N.DEFAULT_GATES)
+    assert N.cell_argv(cfg, cfg.cells[-1], tmp_path)[3] == "gates/test_kl_panel.py"
+
+
+@pytest.mark.parametrize("data,match", [
+    ({}, "no cells"),
+    ({"matrix": {"profiles": ["a"]}, "cells": [{"name": "a", "profile": "a"}]}, "duplicate"),
+    ({"cells": [{"name": "x"}]}, "'profile'"),
+    ({"nightly": {"gates": "gates/x.py"}, "matrix": {"profiles": ["a"]}}, "list of strings"),
+    ({"nightly": {"regression": {"alpha": 3}}, "matrix": {"profiles": ["a"]}}, "alpha"),
+    ({"matrix": {"profiles": ["a"]}, "extra": 1}, "unknown top-level"),
+])
+def test_config_errors(data, match):
+    with pytest.raises(N.NightlyConfigError, match=match):
+        N.parse_config(data, "bad.toml", Path("."))
+
+
+# ------------------------------------------------------------------------------------------ comparison
+
+def _cell(gates, metrics=(), exit_=None):
+    outs = [H.GateOutcome(g, o) for g, o in gates.items()]
+    code = exit_ if exit_ is not None else (1 if any(g.failed for g in outs) else 0)
+    return H.CellRecord("c", "p", (), code, 1.0, "/tmp", outs, list(metrics))
+
+
+def test_compare_cell_gate_flips_and_metrics():
+    base = _cell({"g1": "passed", "g2": "passed", "g3": "failed", "g4": "passed"},
+                 [H.Metric("kl", 0.1, tuple([0.1] * 12))])
+    cur = _cell({"g1": "failed", "g2": "passed", "g3": "passed", "g5": "error"},
+                [H.Metric("kl", 0.5, tuple(0.5 + 0.01 * i for i in range(12)))])
+    kinds = {(f.kind, f.name) for f in N.compare_cell(base, cur, N.RegressionRule(), 4)}
+    assert kinds == {("regression", "g1"), ("fixed", "g3"), ("new-failure", "g5"), ("missing", "g4"),
+                     ("regression", "kl")}
+    assert N.exit_code(N.compare_cell(base, cur, N.RegressionRule())) == N.EXIT_REGRESSION
+    # noise-level metric changes and improvements are not regressions
+    noisy = _cell({"g1": "passed"}, [H.Metric("kl", 0.1, tuple(0.1 + (0.001 if i % 2 else -0.001) for i in range(12)))])
+    assert N.compare_cell(base, noisy, N.RegressionRule()) == [N.Finding("missing", "c", "g2", "passed in baseline, not run now"),
+                                                               N.Finding("missing", "c", "g4", "passed in baseline, not run now")]
+    better = _cell({"g1": "passed", "g2": "passed", "g4": "passed"}, [H.Metric("kl", 0.01, tuple([0.01] * 12))])
+    assert N.compare_cell(base, better, N.RegressionRule()) == []
+    # no baseline: failures are new failures (exit 2), never regressions
+    assert N.exit_code(N.compare_cell(None, cur, N.RegressionRule())) == N.EXIT_FAILURES
+    with_none = _cell({}, [H.Metric("kl", 0.1, (None,) + tuple([0.1] * 11))])
+    assert N.compare_cell(base, with_none, N.RegressionRule()) == [
+        N.Finding("missing", "c", g, "passed in baseline, not run now") for g in ("g1", "g2", "g4")]
+    short = _cell({}, [H.Metric("kl", 0.1, (0.1,))])
+    assert [f.kind for f in N.compare_cell(base, short, N.RegressionRule()) if f.name == "kl"] == ["error"]
+
+
+def test_cell_metrics_from_results():
+    ms = N.cell_metrics({"kl_panel": {"summary": {"kl_part_mean": 1e-6, "ppl_ratio": None}},
+                         "flag_ab": {"f": {"gates": {"speed": {"ratio": 0.9}, "paired_not_worse": {"mean_diff": 1e-9}}}}},
+                        {"engines": {"p": {"kl_part": [1e-6, None, 3e-6]}}})
+    by = {m.name: m for m in ms}
+    assert by["kl_panel.kl_part_mean"].value == 1e-6 and by["kl_panel.ppl_ratio"].value is None
+    assert by["flag_ab.f.speed.ratio"].value == 0.9
+    assert by["kl_part_prompt_mean[p]"].value == pytest.approx(2e-6) and by["kl_part_prompt_mean[p]"].per_prompt[1] is None
+
+
+def test_per_prompt_metrics_are_per_sequence_means_of_finite_unambiguous_kl():
+    import numpy as np
+
+    from core import metrics
+    from tests.core.recordkit import pair_of_records
+
+    ref, eng, _ = pair_of_records(np.random.default_rng(2), n_seq=4, length=9, vocab=30, noise=0.4)
+    out = N.per_prompt_metrics(ref, [("e", eng)])
+    assert out["format"] == N.PER_PROMPT_FORMAT and out["seq_ids"] == list(ref.seq_ids)
+    pm = metrics.position_metrics(ref, eng)
+    for i, got in enumerate(out["engines"]["e"]["kl_part"]):
+        vals = [k for k, s, amb in zip(pm.kl_part, pm.seq, pm.ambiguous) if s == i and np.isfinite(k) and not amb]
+        assert got == pytest.approx(sum(vals) / len(vals), rel=1e-12)
+    assert out["engines"]["e"]["hard_fails"] == int(np.sum(~np.isfinite(pm.kl_part)))
+
+
+def test_floors_below_nightly_never_import_it():
+    import ast
+
+    offenders = []
+    for floor in ("core", "panels", "oracle", "engine", "reports"):
+        for path in sorted((REPO / floor).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("nightly", "gates")]
+    assert not offenders
+
+
+# ------------------------------------------------------------------------------------------ history
+
+def test_history_roundtrip_and_baseline(tmp_path):
+    db = tmp_path / "h.sqlite"
+    green = _cell({"g": "passed"}, [H.Metric("kl", 0.1, (0.1, 0.2))])
+    green.flag_verdicts = [H.FlagVerdict("f", "exact", "bitwise_panel", True, "same")]
+    red = _cell({"g": "failed"})
+    red.flag_verdicts = [H.FlagVerdict("f", "exact", "bitwise_panel", False, "differ")]
+    kw = dict(started="s", finished="f", config_name="n", config_path="p", config_hash="h", git_commit="c",
+              host="h", exit_code=0, out_dir="o")
+    r1 = H.insert_run(db, status="green", cells=[green], **kw)
+    r2 = H.insert_run(db, status="red", cells=[red], **kw)
+    assert H.last_green_cell(db, "c")[0] == r1 and H.last_green_cell(db, "c", before_run=r1) is None
+    back = H.load_cell(db, r1, "c")
+    assert back.gates == green.gates and back.metrics == green.metrics and back.green
+    assert [r.status for r in H.runs(db)] == ["red", "green"]
+    assert H.latest_flag_verdicts(db)["f"]["run_id"] == r2 and not H.latest_flag_verdicts(db)["f"]["passed"]
+    assert H.gate_series(db) == [(r1, "green", 1, 0), (r2, "red", 0, 1)]
+    with sqlite3.connect(db) as conn:  # schema constraints hold
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'maybe', 0, '')")
+        conn.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(H.HistoryError, match="schema version 99"):
+        H.connect(db)
+
+
+def test_parse_junit_from_real_pytest(tmp_path):
+    mod = REPO / "tests" / "data" / "nightly" / "junit_probe_tmp.py"
+    mod.write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'boom'\n\n"
+                   "@pytest.mark.skip(reason='why')\ndef test_skip():\n    pass\n")
+    try:
+        import subprocess
+        import sys
+
+        xml = tmp_path / "j.xml"
+        subprocess.run([sys.executable, "-m", "pytest", str(mod), "-p", "no:cacheprovider", f"--junitxml={xml}", "-q"],
+                       cwd=REPO, capture_output=True, timeout=120)
+        got = {g.gate.split("::")[-1]: g for g in N.parse_junit(xml)}
+    finally:
+        mod.unlink()
+    assert got["test_ok"].outcome == "passed" and got["test_skip"].outcome == "skipped"
+    assert got["test_bad"].outcome == "failed" and "boom" in got["test_bad"].message
+    with pytest.raises(N.NightlyConfigError, match="junit"):
+        N.parse_junit(tmp_path / "absent.xml")
+
+
+# ------------------------------------------------------------------------------------------ whole runs
+
+def test_nightly_fake_runner_infra_error(tmp_path):
+    cfg = N.load_config(_cfg(tmp_path))
+    res = N.run_nightly(cfg, tmp_path / "h.sqlite", tmp_path / "runs", runner=lambda *a: 4, echo=lambda s: None)
+    assert res.exit_code == N.EXIT_FAILURES and res.status == "red"
+    assert [f.kind for f in res.findings] == ["error"] and "pytest exited 4" in res.findings[0].detail
+    assert json.loads((res.out_dir / "nightly.json").read_text())["status"] == "red"
+
+
+def test_nightly_end_to_end_fake_gates(tmp_path):
+    """Real pytest subprocesses through the real plugin: green baseline, then an injected regression."""
+    db, out = tmp_path / "h.sqlite", tmp_path / "runs"
+    runner = CliRunner()
+    from ds41gates.cli import app
+
+    first = runner.invoke(app, ["nightly", str(_cfg(tmp_path, "green")), "--db", str(db), "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    run1 = H.runs(db)[0]
+    cell_dir = Path(run1.out_dir) / "fake"
+    for name in ("junit.xml", "results.json", "per_prompt.json", "report.html", "pytest.log"):
+        assert (cell_dir / name).exists(), name
+    pp = json.loads((cell_dir / "per_prompt.json").read_text())
+    assert len(pp["engines"]["vllm-cpu-fp32"]["kl_part"]) == 12
+
+    second = runner.invoke(app, ["nightly", str(_cfg(tmp_path, "regress")), "--db", str(db), "--out", str(out)])
+    assert second.exit_code == N.EXIT_REGRESSION, second.output
+    assert "[regression] fake :: tests.data.nightly.fake_gate::test_fake_exact" in second.output
+    assert "[regression] fake :: kl_part_prompt_mean[vllm-cpu-fp32]" in second.output
+    run2 = H.runs(db)[0]
+    assert run2.status == "regression" and run2.exit_code == 1
+    md = (Path(run2.out_dir) / "nightly.md").read_text()
+    assert "## Regressions" in md and "test_fake_exact" in md
+    pngs = sorted(p.name for p in (Path(run2.out_dir) / "trends").glob("*.png"))
+    assert "gates.png" in pngs and any(p.startswith("metric-kl_part_prompt_mean") for p in pngs)
+    # the baseline stays the green run: a third regressed run is still compared with run 1
+    third = N.run_nightly(N.load_config(_cfg(tmp_path, "regress")), db, out, echo=lambda s: None)
+    assert third.baselines["fake"] == run1.id and third.exit_code == N.EXIT_REGRESSION
+
+
+def test_nightly_cli_dry_run_and_bad_config(tmp_path):
+    from ds41gates.cli import app
+
+    runner = CliRunner()
+    dry = runner.invoke(app, ["nightly", str(_cfg(tmp_path)), "--dry-run"])
+    assert dry.exit_code == 0 and "fake: " in dry.output and FAKE_GATE in dry.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[nightly]\nname = 1\nbogus = 2\n")
+    res = runner.invoke(app, ["nightly", str(bad)])
+    assert res.exit_code == 3 and "bogus" in res.output
+
+
+def test_shipped_nightly_configs_parse():
+    configs = sorted((REPO / "nightly" / "configs").glob("*.toml"))
+    assert {p.name for p in configs} >= {"cpu-smoke.toml", "full.toml"}
+    for p in configs:
+        cfg = N.load_config(p)
+        for c in cfg.cells:
+            if c.profile.endswith(".toml"):
+                assert Path(c.profile).exists(), c.profile
+
+
+# ------------------------------------------------------------------------------------------ real engine
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
+    """The whole flow on vLLM CPU (4 launches): nightly/configs/cpu-smoke.toml is green (KL panel + the exact flag
+    no_prefix_cache bit-identical); then tonight's build (the flag now also switches to bf16) is a
+    regression against that green baseline, named, exit 1; `ds41gate flags` shows the flag's new FAIL."""
+    from ds41gates.cli import app
+
+    db, out = tmp_path / "history.sqlite", tmp_path / "runs"
+    runner = CliRunner()
+    green = runner.invoke(app, ["nightly", str(REPO / "nightly/configs/cpu-smoke.toml"), "--db", str(db), "--out", str(out)])
+    run1 = H.runs(db)[0]
+    cell1 = H.load_cell(db, run1.id, "cpu-fp32")
+    assert green.exit_code == 0, green.output + (Path(cell1.results_dir) / "pytest.log").read_text()[-4000:]
+    gates1 = {g.gate.split("::")[-1]: g.outcome for g in cell1.gates}
+    assert gates1 == {"test_kl_panel_per_domain": "passed", "test_flag_registered[no_prefix_cache]": "passed",
+                      "test_bitwise_panel[no_prefix_cache]": "passed",
+                      "test_bitwise_greedy[no_prefix_cache]": "passed"}
+    metrics1 = {m.name: m for m in cell1.metrics}
+    assert metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].value < 1e-4
+    # exact flag: the on-record is bit-identical, hence the same per-prompt KL
+    assert (metrics1["kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]"].per_prompt
+            == metrics1["kl_part_prompt_mean[vllm-cpu-fp32]"].per_prompt)
+
+    injected = runner.invoke(app, ["nightly", str(REPO / "tests/data/nightly/cpu-injected.toml"), "--db", str(db),
+                                   "--out", str(out)])
+    assert injected.exit_code == N.EXIT_REGRESSION, injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_panel[no_prefix_cache]" in injected.output
+    assert "[regression] cpu-fp32 :: gates.test_flag_ab::test_bitwise_greedy[no_prefix_cache]" in injected.output
+    assert "[regression] cpu-fp32 :: kl_part_prompt_mean[vllm-cpu-fp32+no_prefix_cache]" in injected.output
+    assert "test_kl_panel_per_domain" not in injected.output      # the flag-off engine did not change
+    run2 = H.runs(db)[0]
+    assert run2.status == "regression" and (Path(run2.out_dir) / "trends" / "gates.png").exists()
+
+    listed = runner.invoke(app, ["flags", "-r", str(REPO / "nightly/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
+    verdict = {r["name"]: r["last_verdict"] for r in json.loads(listed.output)}["no_prefix_cache"]
+    assert verdict["run_id"] == run2.id and verdict["passed"] is False
