@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -293,3 +295,13 @@ def dsv41_panel_json(path: Path, lengths=(40, 17, 70, 9)) -> Path:
     seqs[1]["scored_mask"] = [False] * 5 + [True] * (lengths[1] - 5)
     path.write_text(json.dumps({"panel_name": "reliability-resume", "panel_version": "1", "sequences": seqs}))
     return path
+
+
+def http_status(url: str, key: str | None = None) -> int:
+    """The HTTP status a GET of `url` answers, with a bearer key when given (4xx/5xx included)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code

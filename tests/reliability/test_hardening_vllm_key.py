@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -18,18 +16,9 @@ from core import metrics
 from engine import launcher
 from engine.endpoint import endpoint_for_server, score_engine
 from engine.launcher import EngineServer, load_profile
-from tests.reliability.helpers import RESUME_TOP_K, files_containing, smol_reference, smol_subset
+from tests.reliability.helpers import RESUME_TOP_K, files_containing, http_status, smol_reference, smol_subset
 
 pytestmark = [pytest.mark.engine]
-
-
-def _status(url: str, key: str | None = None) -> int:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 @pytest.mark.timeout(1200)
@@ -50,8 +39,8 @@ def test_vllm_with_api_key_starts_scores_and_never_writes_the_key(tmp_path):
     srv.start()
     try:
         start_s = time.monotonic() - t0
-        statuses = {"none": _status(srv.base_url + "/v1/models"), "wrong": _status(srv.base_url + "/v1/models", "x"),
-                    "right": _status(srv.base_url + "/v1/models", secret)}
+        statuses = {"none": http_status(srv.base_url + "/v1/models"), "wrong": http_status(srv.base_url + "/v1/models", "x"),
+                    "right": http_status(srv.base_url + "/v1/models", secret)}
         endpoint = endpoint_for_server(srv, prof, default_model_dir(), flags=["enforce_eager"])
         rec = score_engine(endpoint, smol_subset(), 20)
         rec.save(tmp_path / "engine.safetensors")

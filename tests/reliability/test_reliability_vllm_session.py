@@ -20,8 +20,6 @@ import os
 import random
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -29,7 +27,7 @@ from core.records import Record
 from engine import launcher
 from engine.launcher import EngineServer, group_members
 from tests.reliability.helpers import (
-    RESUME_TOP_K, files_containing, gate_session_env, run_gate_session, smol_reference,
+    RESUME_TOP_K, files_containing, gate_session_env, http_status, run_gate_session, smol_reference,
 )
 
 pytestmark = [pytest.mark.engine]
@@ -55,15 +53,6 @@ def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
 '''
 
 
-def _status(url: str, key: str | None = None) -> int:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 @pytest.fixture(scope="module")
 def killed_session(tmp_path_factory):
     venv = launcher._cache() / "venvs" / launcher.VLLM_VENV
@@ -80,8 +69,8 @@ def killed_session(tmp_path_factory):
     srv.start()
     pgid = srv.pid
     try:
-        auth = {"none": _status(srv.base_url + "/v1/models"), "wrong": _status(srv.base_url + "/v1/models", "nope"),
-                "right": _status(srv.base_url + "/v1/models", secret)}
+        auth = {"none": http_status(srv.base_url + "/v1/models"), "wrong": http_status(srv.base_url + "/v1/models", "nope"),
+                "right": http_status(srv.base_url + "/v1/models", secret)}
 
         def kill_mid_gate(proc):
             deadline = time.monotonic() + 600
