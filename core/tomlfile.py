@@ -9,11 +9,12 @@ from typing import Any
 
 
 def read_toml(path: str | os.PathLike, what: str, error: type[Exception]) -> dict[str, Any]:
-    """Parse ``path``; a missing or malformed file raises ``error`` naming ``what`` and the path."""
+    """Parse ``path``; a missing or malformed file raises ``error`` whose message starts with the path (the
+    house form of a user error: where, then what)."""
     p = Path(path)
     try:
         return tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise error(f"{what} {p} does not exist") from None
+        raise error(f"{p}: {what} does not exist") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise error(f"{what} {p}: cannot read ({exc})") from None
+        raise error(f"{p}: cannot read {what} ({exc})") from None

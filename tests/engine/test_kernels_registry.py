@@ -76,7 +76,7 @@ def test_duplicate_names_and_missing_file(tmp_path):
     doc["kernel"].append(copy.deepcopy(doc["kernel"][0]))
     with pytest.raises(RegistryError, match="duplicate kernel name 'k'"):
         parse_registry(doc, "mem")
-    with pytest.raises(RegistryError, match=r"kernel registry .*none.toml does not exist"):
+    with pytest.raises(RegistryError, match=r"none.toml: kernel registry does not exist"):
         load_registry(tmp_path / "none.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("format = ")
