@@ -18,9 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from dsv41_random_weights import random_weights  # noqa: E402
+from tests.oracle.dsv41_random_weights import random_weights  # noqa: E402
 
 from oracle.dsv41.config import ModelConfig  # noqa: E402
 from oracle.dsv41.engram import tiny_token_map  # noqa: E402
