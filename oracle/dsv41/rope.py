@@ -57,7 +57,7 @@ def rope_cis_reference_order(freqs: torch.Tensor, positions: torch.Tensor, table
     key = (tuple(freqs.tolist()), n)
     table = _REFERENCE_TABLES.get(key)
     if table is None:
-        angles = torch.outer(torch.arange(n), freqs.cpu())
+        angles = torch.outer(torch.arange(n, device="cpu"), freqs.cpu())
         table = _REFERENCE_TABLES[key] = torch.polar(torch.ones_like(angles), angles)
     return table[positions.cpu()].to(positions.device)
 
