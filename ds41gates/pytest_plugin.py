@@ -457,6 +457,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the
     _flag_ab_addoption(parser)
 
 
+def _check_requested_flags(config: pytest.Config) -> None:
+    """An unknown --flag or a broken registry is a usage error now, before any fixture launches a server."""
+    flags = config.getoption("--flag")
+    if not flags:
+        return
+    from nightly.flags import FlagRegistryError, load_registry
+
+    try:
+        registry = load_registry(config.getoption("--flag-registry"))
+    except FlagRegistryError as exc:
+        raise pytest.UsageError(f"--flag-registry: {exc}") from None
+    unknown = [name for name in dict.fromkeys(flags) if name not in registry]
+    if unknown:
+        raise pytest.UsageError(
+            f"--flag: unknown flag(s) {unknown}; known: {sorted(entry.name for entry in registry)} "
+            f"(registries: {', '.join(registry.sources) or 'none'})")
+
+
+_plain_configure = pytest_configure
+
+
+def pytest_configure(config: pytest.Config) -> None:  # noqa: F811 - extends the configure above
+    _plain_configure(config)
+    _check_requested_flags(config)
+
+
 def _needed_by_no_flag(item: pytest.Item) -> bool:
     """An A/B gate that none of the requested flags' classes runs: pytest made it from an empty parameter set."""
     return any(str(m.kwargs.get("reason", "")).startswith("got empty parameter set") for m in item.iter_markers("skip"))

@@ -1,0 +1,44 @@
+"""An unknown --flag, or a broken --flag-registry, stops a gate session as a usage error before collection,
+so no engine fixture can start a server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gate_session(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "gates", "-m", "gate", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - started
+
+
+def test_unknown_flag_is_a_usage_error_before_collection():
+    proc, elapsed = _gate_session("--flag", "VLLM_DS41_MOE_BACKEND", "--flag", "VLLM_DS41_NO_SUCH_FLAG")
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's USAGE_ERROR: no session, no fixture ran
+    assert elapsed < 30
+    message = proc.stderr.strip().splitlines()[0]
+    assert message.startswith("ERROR: --flag: unknown flag(s) ['VLLM_DS41_NO_SUCH_FLAG']")
+    assert "VLLM_DS41_MOE_BACKEND" in message.split("known:")[1]  # the known flags are listed
+    assert "collected" not in proc.stdout
+
+
+def test_broken_flag_registry_is_a_usage_error(tmp_path):
+    bad = tmp_path / "flags.toml"
+    bad.write_text("[flags.VLLM_DS41_X]\ndescription = 'x'\nclass = 'correctness'\ncolour = 'red'\n")
+    proc, elapsed = _gate_session("--flag", "VLLM_DS41_X", "--flag-registry", str(bad))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert elapsed < 30
+    message = proc.stderr.strip().splitlines()[0]
+    assert message.startswith("ERROR: --flag-registry: ") and str(bad) in message and "colour" in message
+
+
+def test_known_flag_passes_the_check():
+    proc, _ = _gate_session("--flag", "VLLM_DS41_MOE_BACKEND", "--collect-only", "-q")
+    assert proc.returncode in (0, 5), proc.stdout + proc.stderr
+    assert "unknown flag" not in proc.stderr
