@@ -59,6 +59,7 @@ import numpy as np
 
 from core import metrics
 from core.atomic import atomic_write_text
+from core.errors import UserError
 from core.paths import repo_root
 from core.tomlfile import read_toml
 from nightly import history as H
@@ -71,7 +72,7 @@ DEFAULT_GATES = ("gates/test_kl_panel.py", "gates/test_flag_ab.py")
 EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 2
 
 
-class NightlyConfigError(ValueError):
+class NightlyConfigError(UserError, ValueError):
     pass
 
 
@@ -189,7 +190,33 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
 
 def load_config(path: str | os.PathLike) -> NightlyConfig:
     p = Path(path)
-    return parse_config(read_toml(p, "nightly config", NightlyConfigError), str(p), p.resolve().parent)
+    cfg = parse_config(read_toml(p, "nightly config", NightlyConfigError), str(p), p.resolve().parent)
+    check_cells(cfg)
+    return cfg
+
+
+def check_cells(cfg: NightlyConfig) -> None:
+    """Every cell's profile loads and every flag is registered, checked before any cell starts an engine: a typo
+    is a configuration error, not a night of "new-failure" rows in the history."""
+    from engine.launcher import ProfileError, load_profile
+    from nightly.flags import FlagRegistryError, load_registry
+
+    extra = [r if Path(r).is_absolute() else REPO_ROOT / r for r in cfg.registry]
+    for cell in cfg.cells:
+        where = f"{cfg.path}: cell {cell.name!r}"
+        try:
+            load_profile(cell.profile)
+        except ProfileError as exc:
+            raise NightlyConfigError(f"{where}: {exc}") from None
+        if not cell.flags:
+            continue
+        try:
+            registry = load_registry(extra, {**os.environ, **cell.env})
+        except FlagRegistryError as exc:
+            raise NightlyConfigError(f"{where}: {exc}") from None
+        unknown = [f for f in cell.flags if f not in registry]
+        if unknown:
+            raise NightlyConfigError(f"{where}: unknown flag(s) {unknown}; known: {sorted(e.name for e in registry)}")
 
 
 # --------------------------------------------------------------------------------------------- one cell

@@ -287,3 +287,44 @@ def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     listed = runner.invoke(app, ["flags", "-r", str(REPO / "nightly/flags-vllm-cpu.toml"), "--db", str(db), "--json"])
     verdict = {r["name"]: r["last_verdict"] for r in json.loads(listed.output)}["no_prefix_cache"]
     assert verdict["run_id"] == run2.id and verdict["passed"] is False
+
+
+# ---------------------------------------------------------------------- cells checked before any engine starts
+
+def _nightly_cli(*args: str) -> tuple["subprocess.CompletedProcess", float]:
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ds41gates.cli", "nightly", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - started
+
+
+@pytest.mark.parametrize("cell, named", [
+    ('profile = "vllm-cpu-no-such-profile"', "vllm-cpu-no-such-profile"),
+    ('profile = "vllm-cpu-fp32"\nflags = ["VLLM_DS41_NO_SUCH_FLAG"]', "VLLM_DS41_NO_SUCH_FLAG"),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_bad_cell_is_a_config_error_before_any_run(tmp_path, cell, named, dry_run):
+    from nightly.cli import EXIT_CONFIG
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[nightly]\nname = "bad"\ngates = ["{FAKE_GATE}"]\n[[cells]]\nname = "c"\n{cell}\n')
+    db, out = tmp_path / "h.sqlite", tmp_path / "runs"
+    with pytest.raises(N.NightlyConfigError, match=named):
+        N.load_config(cfg)
+    proc, elapsed = _nightly_cli(str(cfg), "--db", str(db), "--out", str(out), *(["--dry-run"] if dry_run else []))
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    assert elapsed < 30
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith(f"error: {cfg}: cell 'c': ") and named in first
+    assert "Traceback" not in proc.stderr
+    assert not db.exists() and not out.exists()  # nothing in the history, no run folder
+
+
+def test_nightly_config_error_is_a_user_error():
+    from core.errors import UserError
+
+    assert issubclass(N.NightlyConfigError, UserError)
