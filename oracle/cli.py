@@ -1,6 +1,7 @@
-"""`ds41gate oracle`: run the DeepSeek-V4.1 oracle over a panel (layer-streamed, resumable, shardable) and
-merge shard records. The work is oracle/dsv41/runner.py (and shards.py); this module only parses the
-command line, turns the --panel argument into an EncodedPanel, and reports."""
+"""`ds41gate oracle`: run an oracle over a panel and merge shard records. A DeepSeek checkpoint goes to the
+DeepSeek oracle (oracle/dsv41/runner.py: layer-streamed, resumable, shardable); any other transformers model
+folder to the generic fp32 transformers oracle (oracle/hf.py). This module only parses the command line,
+turns the --panel argument into an EncodedPanel, and reports."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Optional
 
 import typer
 
-oracle_app = typer.Typer(help="The DeepSeek-V4.1 fp32 oracle: layer-streamed panel runs and shard merges.",
+oracle_app = typer.Typer(help="The fp32 oracles: DeepSeek's (layer-streamed) and the generic transformers one.",
                          no_args_is_help=True, add_completion=False)
 
 
@@ -49,9 +50,69 @@ def load_panel_arg(spec: str, tokenizer: str | None):
     return panels.encode_panel(panels.load_panel(spec), tok), tok
 
 
+IMPLEMENTATIONS = ("auto", "deepseek", "transformers")
+
+
+def detect_implementation(checkpoint: Path) -> str:
+    """'deepseek' for a DeepSeek checkpoint (an inference config without `model_type`, or a `deepseek*`
+    model type), 'transformers' for any other transformers model folder; a folder without a readable
+    config.json is a named error."""
+    import json
+
+    cfg_path = checkpoint / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        _fail(f"{cfg_path}: no config.json: --checkpoint must be a model folder (a DeepSeek checkpoint or a "
+              "transformers model directory)")
+    except (OSError, ValueError) as exc:
+        _fail(f"{cfg_path}: cannot read the model config ({exc})")
+    if not isinstance(cfg, dict):
+        _fail(f"{cfg_path}: the model config must be a JSON object")
+    model_type = cfg.get("model_type")
+    if model_type is None or str(model_type).lower().startswith("deepseek"):
+        return "deepseek"
+    return "transformers"
+
+
+def _run_transformers(checkpoint: Path, panel: str, out: Path, work: Optional[Path], tokenizer: Optional[str],
+                      threads: int, top_k: int, full_logprobs: bool, progress: bool, keep_work: bool,
+                      restart: bool, refused: dict) -> None:
+    """The generic fp32 transformers oracle behind the same command; the DeepSeek runner's options that have
+    no meaning for it are refused, never ignored."""
+    import shutil
+
+    from core.records import RecordError
+    from oracle.hf import HFPanelOracle
+    from oracle.scoring import OracleError
+
+    given = [name for name, is_set in refused.items() if is_set]
+    if given:
+        _fail(f"{', '.join(given)}: DeepSeek-oracle options; {checkpoint} is a transformers model folder "
+              "(the generic fp32 oracle has one precision, fp32 on CPU, and scores whole panels)")
+    tok = tokenizer or str(checkpoint)
+    try:
+        pin, _ = load_panel_arg(panel, tok)
+        # per-sequence results land here as they finish, so an interrupted run resumes where it stopped
+        work_dir = work if work is not None else out.with_name(out.name + ".work")
+        if restart and work_dir.exists():
+            shutil.rmtree(work_dir)
+        rec = HFPanelOracle(checkpoint, top_k=top_k, full_vocab=full_logprobs, threads=threads or 2,
+                            checkpoint_dir=work_dir, progress=progress).score(pin)
+        rec.save(out)
+        if not keep_work:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    except (OracleError, RecordError, ValueError, OSError) as e:
+        _fail(str(e))
+    typer.echo(f"wrote {out}: {rec.n_sequences} sequences, {rec.n_positions} scored positions (transformers "
+               f"fp32, {rec.provenance.extra['seconds']:.1f} s, {rec.provenance.extra['resumed_sequences']} "
+               "sequences resumed)")
+
+
 @oracle_app.command("run")
 def run_cmd(
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="official checkpoint dir (config.json, shards)"),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="DeepSeek checkpoint dir (config.json, shards) or a "
+                                                             "transformers model folder"),
     panel: str = typer.Option(..., "--panel", help="panel NAME[@VERSION], a pre-encoded *.json (token-id lists), "
                                                    "or a *.safetensors record whose sequences to score"),
     out: Path = typer.Option(..., "--out", help="reference record to write (ds41-record/1)"),
@@ -62,15 +123,42 @@ def run_cmd(
     work: Optional[Path] = typer.Option(None, "--work", help="resumable state (default: OUT.work)"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
                                             help="'deepseek' or a path (default: the checkpoint dir)"),
-    threads: int = typer.Option(0, "--threads", help="CPU threads (0: torch's default)"),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0: torch's default; with --cluster: per shard, 0 = 1)"),
     spill: str = typer.Option("auto", "--spill", help="auto | ram | disk: where activations live between layers"),
-    top_k: int = typer.Option(256, "--top-k"),
+    top_k: int = typer.Option(256, "--top-k", help="top-k logprobs kept per position (the engine side must ask for <= this)"),
     full_logprobs: bool = typer.Option(False, "--full-logprobs", help="also store float32 full-vocab logprobs"),
     keep_work: bool = typer.Option(False, "--keep-work", help="keep the work dir after success"),
     restart: bool = typer.Option(False, "--restart", help="ignore any state in the work dir"),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar per layer and sequence"),
+    stream_experts: bool = typer.Option(False, "--stream-experts",
+                                        help="decode routed experts one at a time as the MoE reaches them (one "
+                                             "expert in memory instead of a layer's 384: 54 GB fp32 on the "
+                                             "release); same record"),
+    cluster: Optional[str] = typer.Option(None, "--cluster",
+                                          help="score the shards on Ray workers: local:N (N workers started "
+                                               "here), auto, HOST:PORT (a Ray head) or ray://HOST:PORT"),
+    shards: Optional[int] = typer.Option(None, "--shards",
+                                         help="with --cluster: shards to submit (default: the cluster's "
+                                              "worker slots, at most one per sequence)"),
+    retries: int = typer.Option(2, "--retries", help="with --cluster: reruns of a shard whose worker died or failed"),
+    implementation: str = typer.Option("auto", "--implementation",
+                                       help="auto | deepseek | transformers (auto: DeepSeek checkpoints go to the "
+                                            "DeepSeek oracle, other transformers folders to the generic one)"),
 ) -> None:
-    """Score a panel layer by layer: every sequence through layer L, then L is freed and L+1 loaded."""
+    """Score a panel. DeepSeek checkpoints layer by layer (every sequence through layer L, then L is freed and
+    L+1 loaded; with --cluster the panel's shards run on the workers of a Ray cluster and are merged into OUT);
+    any other transformers model with the generic fp32 transformers oracle."""
+    if implementation not in IMPLEMENTATIONS:
+        _fail(f"--implementation {implementation!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
+    chosen = detect_implementation(checkpoint) if implementation == "auto" else implementation
+    if chosen == "transformers":
+        _run_transformers(checkpoint, panel, out, work, tokenizer, threads, top_k, full_logprobs, progress,
+                          keep_work, restart,
+                          {"--pack": pack is not None, "--precision": precision != "fp32",
+                           "--device": device != "cpu", "--shard": shard is not None, "--spill": spill != "auto",
+                           "--cluster": cluster is not None, "--shards": shards is not None,
+                           "--stream-experts": stream_experts})
+        return
     if device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before anything initialises cuBLAS
     from core.records import RecordError
@@ -79,12 +167,18 @@ def run_cmd(
     from oracle.dsv41.shards import select_shard
 
     sh = _parse_shard(shard)
+    if cluster is not None and sh is not None:
+        _fail("--cluster splits the panel itself; it cannot be combined with --shard (that is for schedulers "
+              "such as Slurm array jobs)")
+    if cluster is None and shards is not None:
+        _fail("--shards needs --cluster (without it, use --shard I/N on each machine)")
     tok = tokenizer
     if tok is None and (checkpoint / "tokenizer.json").is_file():
         tok = str(checkpoint)
     try:
         opts0 = RunOptions(precision=precision, device=device, threads=threads, spill=spill, top_k=top_k,
-                           full_logprobs=full_logprobs, keep_work=keep_work, restart=restart, progress=progress)
+                           full_logprobs=full_logprobs, keep_work=keep_work, restart=restart, progress=progress,
+                           stream_experts=stream_experts)
         try:
             pin, panel_tokenizer = load_panel_arg(panel, tok)
         except RunnerError as e:
@@ -92,6 +186,16 @@ def run_cmd(
                 _fail(f"{e}: {checkpoint} has no tokenizer.json; pass --tokenizer deepseek (or a path), or a "
                       f"pre-encoded panel (*.json / *.safetensors)")
             raise
+        if cluster is not None:
+            from oracle.dsv41.cluster import run_on_cluster
+
+            ck = Checkpoint(checkpoint, pack)
+            rec = run_on_cluster(checkpoint, pack, pin, out, opts0, cluster, shards=shards, retries=retries,
+                                 work=work, token_map=engram_token_map(ck, panel_tokenizer),
+                                 log=lambda msg: typer.echo(msg, err=True))
+            typer.echo(f"wrote {out}: {rec.n_sequences} sequences, {rec.n_positions} scored positions, merged "
+                       f"from {rec.provenance.extra['cluster']['shards']} shards run on {cluster}")
+            return
         total = len(pin.sequences)
         indices = tuple(range(total))
         if sh is not None:

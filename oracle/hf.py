@@ -1,7 +1,8 @@
 """Generic fp32 CPU oracle for HF-format causal LMs (transformers).
 
 ``HFPanelOracle(model_dir).score(encoded_panel)`` (the oracle seam, oracle/seam.py; ``score_panel_hf`` is
-the same as a function) loads the directory with ``dtype=torch.float32``, runs one forward pass per
+the same as a function) loads the directory with ``dtype=torch.float32`` (a DeepSeek-V4 folder in the release
+layout through oracle/hf_dsv4.py's explicit mapping into ``DeepseekV4ForCausalLM``), runs one forward pass per
 :class:`EncodedSequence` (the token ids exactly as encoded, no BOS added), and turns the logits into the
 shared record format (side ``oracle``) with oracle/scoring.py: per scored position the top-K ids and
 logprobs (default K = 256) of the float64 ``log_softmax``, the actual token's logprob and rank, the
@@ -84,6 +85,7 @@ class HFOracle:
     vocab_size: int
     model_hash: str
     threads: int
+    load_info: dict | None = None  # how the weights were mapped (oracle/hf_dsv4.py), for the provenance
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike, threads: int = 2) -> "HFOracle":
@@ -94,6 +96,12 @@ class HFOracle:
         if not (d / "config.json").is_file():
             raise OracleError(f"{d}: not an HF model directory (no config.json)")
         digest = model_hash(d)
+        from oracle.hf_dsv4 import is_official_v4, load_official_v4
+
+        if is_official_v4(d):  # DeepSeek's release layout: mapped explicitly, FP8 / MXFP4 decoded exactly
+            model, _, report = load_official_v4(d, threads)
+            vocab = int(model.get_output_embeddings().weight.shape[0])
+            return cls(d, model, vocab, digest, threads, {"layout": "deepseek-v4-official", **report.as_dict()})
         try:
             cfg = AutoConfig.from_pretrained(d, local_files_only=True)
             with _deterministic(threads):
@@ -227,12 +235,13 @@ class HFPanelOracle:
         import transformers
 
         prov = oracle_provenance(
-            panel, precision="fp32",
+            panel, precision="fp32", vocab_size=int(orc.vocab_size),
             source={"model_dir": str(Path(self.model_dir).resolve()), "model_hash": orc.model_hash,
                     "weight_files": [f.name for f in weight_files(orc.model_dir)]},
             extra={"oracle": "oracle.hf", "top_k": self.top_k, "log_softmax_dtype": "float64",
                    "threads": orc.threads, "torch": torch.__version__, "transformers": transformers.__version__,
                    "deterministic_algorithms": True, "resumed_sequences": resumed,
+                   **({"load": orc.load_info} if orc.load_info else {}),
                    "seconds": round(time.perf_counter() - t0, 3)})
         return Record.from_sequences(prov, scores, k=self.top_k)
 

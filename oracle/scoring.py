@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.errors import UserError
 from core.records import Provenance, SequenceScores
 from core.version import code_version
 from panels.model import EncodedPanel, EncodedSequence
 
 
-class OracleError(RuntimeError):
+class OracleError(UserError, RuntimeError):
     """The oracle cannot run on this input; the message names the model dir / sequence / position."""
 
 
@@ -93,9 +94,12 @@ def sequence_scores(seq: EncodedSequence, logits: torch.Tensor, top_k: int, full
 
 
 def oracle_provenance(panel: EncodedPanel, *, source: dict[str, Any], precision: str,
-                      extra: dict[str, Any]) -> Provenance:
-    """The provenance of an oracle record over `panel`: its identity, the oracle's `source`, and the
-    code version and time of the run."""
+                      extra: dict[str, Any], vocab_size: int) -> Provenance:
+    """The provenance of an oracle record over `panel`: its identity, the oracle's `source` (with the model's
+    `vocab_size`, so a loaded record can refuse out-of-vocabulary ids), and the code version and time."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"oracle provenance: vocab_size must be a positive int, got {vocab_size!r}")
     return Provenance(side="oracle", panel_name=panel.panel_name, panel_version=str(panel.panel_version),
-                      panel_hash=panel.panel_hash, tokenizer_hash=panel.tokenizer_hash, source=source,
+                      panel_hash=panel.panel_hash, tokenizer_hash=panel.tokenizer_hash,
+                      source={**source, "vocab_size": vocab_size},
                       precision=precision, code_version=code_version(), created=Provenance.now(), extra=extra)

@@ -29,6 +29,9 @@ class LayerCache:
     carry_kv: torch.Tensor | None = None  # [b, r, head_dim] fp32 pending group (ratio-2 sources)
     carry_score: torch.Tensor | None = None
     ring: torch.Tensor | None = None  # DSpark stages: [b, window, head_dim] ring of main_kv
+    # DeepSeek-V4 compressors' decode state ({"kv", "score"} [b, coff*r, coff*d] fp32, compressor_v4.py)
+    compress_state: dict | None = None
+    index_state: dict | None = None
 
 
 @dataclass

@@ -52,6 +52,7 @@ class StepContext:
     state: ModelState
     image_mask: torch.Tensor | None = None
     main_x: torch.Tensor | None = None  # DSpark stages only
+    input_ids: torch.Tensor | None = None  # [b, s]: V4's hash-routed layers read them
 
     @property
     def num(self) -> Numerics:
@@ -111,11 +112,15 @@ class Block:
         return hc_post(y, res, f_post, f_comb, num), f_pre
 
 
-def embed_step(embed: Embedding, ids: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
+def embed_step(embed: Embedding, ids: torch.Tensor, hc_mult: int,
+               merge_images=None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [b, s] -> (h [b, s, hc, d]: `hc_mult` identical copies of the embedding, pre [b, s, hc]: one-hot
-    on copy 0) (§7)."""
+    on copy 0) (§7). `merge_images(h [b, s, d]) -> h` overwrites image spans before the copies (§16)."""
     b, s = ids.shape
-    h = embed(ids).unsqueeze(2).repeat(1, 1, hc_mult, 1)
+    h = embed(ids)
+    if merge_images is not None:
+        h = merge_images(h)
+    h = h.unsqueeze(2).repeat(1, 1, hc_mult, 1)
     pre = torch.zeros(b, s, hc_mult)
     pre[..., 0] = 1.0
     return h, pre
@@ -130,5 +135,8 @@ def engram_step(engram: Engram | None, h: torch.Tensor, hashes: torch.Tensor | N
 
 
 def head_step(head: Head, h: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
-    """The streams collapsed with the last FFN's pre, then the final norm and the vocabulary projection."""
+    """The streams collapsed with the last FFN's pre, then the final norm and the vocabulary projection.
+    A V4 head (head.HyperHead) collapses the streams with its own hc_head weights and ignores `pre`."""
+    if getattr(head, "takes_streams", False):
+        return head(h, num)
     return head(hc_pre(h, pre, num), num)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 import sys
@@ -103,24 +104,33 @@ class Inventory:
         return out
 
 
-_VISION_DEFAULTS = {"vision_dim": 1024, "vision_inter_dim": 2816, "vision_patch_size": 14,
-                    "vision_downsample_ratio": 3}  # §2.1
-_HF_VISION_KEYS = {"hidden_size": "vision_dim", "intermediate_size": "vision_inter_dim",
-                   "patch_size": "vision_patch_size", "downsample_ratio": "vision_downsample_ratio"}
+def _block_core_specs(cfg: ModelConfig, p: str, lin: dict[str, LinearSpec], ten: dict[str, TensorSpec]) -> str:
+    """The tensors every V4 and V4.1 block has (hyper-connection mixes, the two norms, the MLA projections);
+    returns the block's attention prefix for the version-specific rest."""
+    d, hc = cfg.dim, cfg.hc_mult
+    for hc_name in ("attn", "ffn"):
+        ten[f"{p}.hc_{hc_name}_fn"] = TensorSpec((cfg.mix_hc, hc * d), "F32")
+        ten[f"{p}.hc_{hc_name}_base"] = TensorSpec((cfg.mix_hc,), "F32")
+        ten[f"{p}.hc_{hc_name}_scale"] = TensorSpec((3,), "F32")
+    ten[f"{p}.attn_norm.weight"] = TensorSpec((d,), "BF16")
+    ten[f"{p}.ffn_norm.weight"] = TensorSpec((d,), "BF16")
+    a = f"{p}.attn"
+    ten[f"{a}.attn_sink"] = TensorSpec((cfg.n_heads,), "F32")
+    hd_all = cfg.n_heads * cfg.head_dim
+    lin[f"{a}.wq_a"] = LinearSpec(cfg.q_lora_rank, d, "fp8")
+    ten[f"{a}.q_norm.weight"] = TensorSpec((cfg.q_lora_rank,), "BF16")
+    lin[f"{a}.wq_b"] = LinearSpec(hd_all, cfg.q_lora_rank, "fp8")
+    lin[f"{a}.wkv"] = LinearSpec(cfg.head_dim, d, "fp8")
+    ten[f"{a}.kv_norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
+    lin[f"{a}.wo_a"] = LinearSpec(cfg.o_groups * cfg.o_lora_rank, hd_all // cfg.o_groups, "fp8")
+    lin[f"{a}.wo_b"] = LinearSpec(d, cfg.o_groups * cfg.o_lora_rank, "fp8")
+    return a
 
 
-def _vision_dims(raw: dict) -> dict:
-    d = dict(_VISION_DEFAULTS)
-    flat = raw.get("text_config", {}) | raw if isinstance(raw.get("text_config"), dict) else raw
-    d.update({k: flat[k] for k in _VISION_DEFAULTS if k in flat})
-    for hk, k in _HF_VISION_KEYS.items():
-        if isinstance(raw.get("vision_config"), dict) and hk in raw["vision_config"]:
-            d[k] = raw["vision_config"][hk]
-    return d
-
-
-def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inventory:
+def expected_inventory(cfg: ModelConfig) -> Inventory:
     """Every tensor of the official checkpoint for ``cfg`` (dsv41-architecture.md §4.2, §4.3)."""
+    if cfg.is_v4:
+        return expected_inventory_v4(cfg)
     d, hc = cfg.dim, cfg.hc_mult
     lin: dict[str, LinearSpec] = {}
     ten: dict[str, TensorSpec] = {}
@@ -128,22 +138,7 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
     tab: dict[str, TableSpec] = {}
 
     def block(p: str, L: int, backbone: bool):
-        for hc_name in ("attn", "ffn"):
-            ten[f"{p}.hc_{hc_name}_fn"] = TensorSpec((cfg.mix_hc, hc * d), "F32")
-            ten[f"{p}.hc_{hc_name}_base"] = TensorSpec((cfg.mix_hc,), "F32")
-            ten[f"{p}.hc_{hc_name}_scale"] = TensorSpec((3,), "F32")
-        ten[f"{p}.attn_norm.weight"] = TensorSpec((d,), "BF16")
-        ten[f"{p}.ffn_norm.weight"] = TensorSpec((d,), "BF16")
-        a = f"{p}.attn"
-        ten[f"{a}.attn_sink"] = TensorSpec((cfg.n_heads,), "F32")
-        hd_all = cfg.n_heads * cfg.head_dim
-        lin[f"{a}.wq_a"] = LinearSpec(cfg.q_lora_rank, d, "fp8")
-        ten[f"{a}.q_norm.weight"] = TensorSpec((cfg.q_lora_rank,), "BF16")
-        lin[f"{a}.wq_b"] = LinearSpec(hd_all, cfg.q_lora_rank, "fp8")
-        lin[f"{a}.wkv"] = LinearSpec(cfg.head_dim, d, "fp8")
-        ten[f"{a}.kv_norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
-        lin[f"{a}.wo_a"] = LinearSpec(cfg.o_groups * cfg.o_lora_rank, hd_all // cfg.o_groups, "fp8")
-        lin[f"{a}.wo_b"] = LinearSpec(d, cfg.o_groups * cfg.o_lora_rank, "fp8")
+        a = _block_core_specs(cfg, p, lin, ten)
         if backbone and cfg.is_kv_source(L):
             lin[f"{a}.compressor.wkv"] = LinearSpec(cfg.head_dim, d, "bf16")
             if cfg.ratio(L) == 2:
@@ -196,8 +191,7 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
     lin["head"] = LinearSpec(cfg.vocab_size, d, "bf16")
     ten["norm.weight"] = TensorSpec((d,), "BF16")
     if cfg.vision_n_layers:
-        v = _vision_dims(raw_config or {})
-        vd, vi, ps, ds = v["vision_dim"], v["vision_inter_dim"], v["vision_patch_size"], v["vision_downsample_ratio"]
+        vd, vi, ps, ds = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_downsample_ratio
         lin["vision.patch_embed.proj"] = LinearSpec(vd, 3 * ps * ps, "bf16")
         ten["vision.patch_embed.proj.bias"] = TensorSpec((vd,), "BF16")
         for n in range(cfg.vision_n_layers):
@@ -218,6 +212,72 @@ def expected_inventory(cfg: ModelConfig, raw_config: dict | None = None) -> Inve
         for n in ("image_start", "image_end", "image_newline"):
             ten[n] = TensorSpec((d,), "BF16")
     return Inventory(lin, ten, tab, opt)
+
+
+def expected_inventory_v4(cfg: ModelConfig) -> Inventory:
+    """Every tensor of a DeepSeek-V4 (Flash) checkpoint for ``cfg``: the names of the V4 reference's modules
+    (dsv4-engine.md §2, §5), which the release's index uses. Per layer: mHC (hc_attn_*, hc_ffn_*), attention
+    (FP8 wq_a/wq_b/wkv/wo_a/wo_b, norms, attn_sink), a compressor with ``ape`` on every compressed layer, an
+    indexer with its own compressor on ratio-4 layers, the MoE gate (``tid2eid`` on hash layers, ``bias``
+    elsewhere), routed experts (``expert_dtype``: fp4 or fp8) and the FP8 shared expert; at the top the
+    embedding, final norm, head and ``hc_head_*``; per MTP layer a block plus e_proj/h_proj, enorm/hnorm,
+    norm and its own ``hc_head_*``."""
+    d, hc = cfg.dim, cfg.hc_mult
+    lin: dict[str, LinearSpec] = {}
+    ten: dict[str, TensorSpec] = {}
+    expert_storage = "fp4" if cfg.expert_dtype == "fp4" else "fp8"
+
+    def compressor(p: str, ratio: int, head_dim: int):
+        coff = 2 if ratio == 4 else 1
+        ten[f"{p}.ape"] = TensorSpec((ratio, coff * head_dim), "F32")
+        lin[f"{p}.wkv"] = LinearSpec(coff * head_dim, d, "bf16")
+        lin[f"{p}.wgate"] = LinearSpec(coff * head_dim, d, "bf16")
+        ten[f"{p}.norm.weight"] = TensorSpec((head_dim,), "BF16")
+
+    def hc_head(p: str):
+        ten[f"{p}hc_head_fn"] = TensorSpec((hc, hc * d), "F32")
+        ten[f"{p}hc_head_base"] = TensorSpec((hc,), "F32")
+        ten[f"{p}hc_head_scale"] = TensorSpec((1,), "F32")
+
+    def block(p: str, L: int):
+        a = _block_core_specs(cfg, p, lin, ten)
+        r = cfg.ratio(L)
+        if r:
+            compressor(f"{a}.compressor", r, cfg.head_dim)
+        if r == 4:
+            lin[f"{a}.indexer.wq_b"] = LinearSpec(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, "fp8")
+            lin[f"{a}.indexer.weights_proj"] = LinearSpec(cfg.index_n_heads, d, "bf16")
+            compressor(f"{a}.indexer.compressor", r, cfg.index_head_dim)
+        f = f"{p}.ffn"
+        lin[f"{f}.gate"] = LinearSpec(cfg.n_routed_experts, d, "bf16")
+        if cfg.is_hash_layer(L):
+            ten[f"{f}.gate.tid2eid"] = TensorSpec((cfg.vocab_size, cfg.n_activated_experts), "I32|I64")
+        else:
+            ten[f"{f}.gate.bias"] = TensorSpec((cfg.n_routed_experts,), "F32")
+        inter = cfg.moe_inter_dim
+        for e in range(cfg.n_routed_experts):
+            lin[f"{f}.experts.{e}.w1"] = LinearSpec(inter, d, expert_storage)
+            lin[f"{f}.experts.{e}.w3"] = LinearSpec(inter, d, expert_storage)
+            lin[f"{f}.experts.{e}.w2"] = LinearSpec(d, inter, expert_storage)
+        lin[f"{f}.shared_experts.w1"] = LinearSpec(inter, d, "fp8")
+        lin[f"{f}.shared_experts.w3"] = LinearSpec(inter, d, "fp8")
+        lin[f"{f}.shared_experts.w2"] = LinearSpec(d, inter, "fp8")
+
+    for L in range(cfg.n_layers):
+        block(f"layers.{L}", L)
+    for S in range(cfg.n_mtp_layers):
+        m = f"mtp.{S}"
+        block(m, cfg.n_layers + S)
+        lin[f"{m}.e_proj"] = LinearSpec(d, d, "fp8")
+        lin[f"{m}.h_proj"] = LinearSpec(d, d, "fp8")
+        for n in ("enorm", "hnorm", "norm"):
+            ten[f"{m}.{n}.weight"] = TensorSpec((d,), "BF16")
+        hc_head(f"{m}.")
+    ten["embed.weight"] = TensorSpec((cfg.vocab_size, d), "BF16")
+    lin["head"] = LinearSpec(cfg.vocab_size, d, "bf16")
+    ten["norm.weight"] = TensorSpec((d,), "BF16")
+    hc_head("")
+    return Inventory(lin, ten, {})
 
 
 def engram_prime_rows(cfg: ModelConfig) -> list[int]:
@@ -396,11 +456,16 @@ class OutputBuffers:
     def __init__(self):
         self._lent: list[np.ndarray] = []
         self._free: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.allocated = 0  # arrays created (not reused) so far
 
     def take(self, shape: tuple[int, ...]) -> np.ndarray:
         shape = tuple(int(d) for d in shape)
         free = self._free.get(shape)
-        arr = free.pop() if free else np.empty(shape, dtype=np.float32)
+        if free:
+            arr = free.pop()
+        else:
+            arr = np.empty(shape, dtype=np.float32)
+            self.allocated += 1
         self._lent.append(arr)
         return arr
 
@@ -422,6 +487,35 @@ class OutputBuffers:
             self._free.setdefault(arr.shape, []).append(arr)
         self._lent = []
         return len(idle)
+
+
+class _RandomReads:
+    """Positional reads of a few bytes at a time from shard files opened with readahead off (POSIX_FADV_RANDOM):
+    only the pages holding the requested bytes are read from storage."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}
+
+    def __enter__(self) -> "_RandomReads":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def pread(self, path: Path, offset: int, n: int) -> np.ndarray:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+            try:  # advice only: the bytes read are the same without it (some sandboxes refuse it)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except (AttributeError, OSError):
+                pass
+        b = os.pread(fd, n, offset)
+        if len(b) != n:
+            raise CheckpointError(str(path), [f"short read: {len(b)} of {n} bytes at offset {offset} (truncated shard?)"])
+        return np.frombuffer(b, dtype=np.uint8)
 
 
 class Checkpoint:
@@ -449,7 +543,7 @@ class Checkpoint:
             problems.append("config.json has no quantization_config.weight_block_size (and no fp8_block given)")
             block = (32, 32)
         self.fp8_block = tuple(int(b) for b in block)
-        self.inventory = expected_inventory(self.model_config, self.config)
+        self.inventory = expected_inventory(self.model_config)
         self._official = _Folder(self.dir, "official")
         problems += self._official.problems
         self._pack = _Folder(self.pack_dir, "pack") if self.pack_dir else None
@@ -705,18 +799,22 @@ class Checkpoint:
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
             raise IndexError(f"{prefix}: row ids must lie in [0, {n_rows}), got [{int(rows.min())}, {int(rows.max())}]")
         uniq = torch.unique(rows)
-        ws, ss = self._tensors[f"{prefix}.weight"], self._tensors[f"{prefix}.scale"]
-        got_w, got_s = [], []
-        seen = self._rows_read.setdefault(prefix, {})
-        for r in uniq.tolist():  # one lazy slice per distinct row
-            w = ws.read(ws.infos[f"{prefix}.weight"], slice(r, r + 1))
-            s = ss.read(ss.infos[f"{prefix}.scale"], slice(r, r + 1))
-            seen[r] = hashlib.sha256(w.numpy().tobytes() + s.numpy().tobytes()).hexdigest()
-            got_w.append(w)
-            got_s.append(s)
-        if not got_w:
+        ws = self._tensors[f"{prefix}.weight"]
+        wi, si = ws.infos[f"{prefix}.weight"], self._tensors[f"{prefix}.scale"].infos[f"{prefix}.scale"]
+        if not uniq.numel():
             return torch.empty(0, self.inventory.tables[prefix].width)
-        table = F.engram_rows_dequant(torch.cat(got_w), torch.cat(got_s))
+        # pread of exactly each row's bytes (1-byte formats: a row of the weight, a row of the scale), on
+        # descriptors with readahead off: a page fault on a mapped table would read ~128 KiB around each
+        # 256-byte row (the kernel's read-around), ~500x the bytes needed from a 189 GB table
+        got_w = np.empty((uniq.numel(), wi.shape[1]), dtype=np.uint8)
+        got_s = np.empty((uniq.numel(), si.shape[1]), dtype=np.uint8)
+        seen = self._rows_read.setdefault(prefix, {})
+        with _RandomReads() as fds:
+            for i, r in enumerate(uniq.tolist()):
+                got_w[i] = fds.pread(wi.file, wi.begin + r * wi.shape[1], wi.shape[1])
+                got_s[i] = fds.pread(si.file, si.begin + r * si.shape[1], si.shape[1])
+                seen[r] = hashlib.sha256(got_w[i].tobytes() + got_s[i].tobytes()).hexdigest()
+        table = F.engram_rows_dequant(torch.from_numpy(got_w), torch.from_numpy(got_s))
         _check_finite(prefix, table, ws)
         return table[torch.searchsorted(uniq, rows.reshape(-1))].reshape(*rows.shape, -1)
 
@@ -867,7 +965,7 @@ def _check_tensor(name: str, info: TensorInfo | None, spec: TensorSpec) -> list[
     if info is None:
         return [f"missing: {name} ({spec.dtype} {list(spec.shape)})"]
     out = []
-    if info.dtype != spec.dtype:
+    if info.dtype not in spec.dtype.split("|"):  # "I32|I64": either integer width is accepted
         out.append(f"{name}: dtype {info.dtype}, expected {spec.dtype} (wrong dtype)")
     if info.shape != spec.shape:
         out.append(f"{name}: shape {list(info.shape)}, expected {list(spec.shape)} (wrong shape)")

@@ -1,4 +1,9 @@
-"""ModelConfig for DeepSeek-V4.1-Flash (§2), read from either key spelling, plus the §20 tiny config."""
+"""ModelConfig for DeepSeek-V4.1-Flash (§2), read from either key spelling, plus the §20 tiny config.
+
+The same dataclass describes a DeepSeek-V4 (Flash) checkpoint: `arch == "v4"` (dsv4-engine.md §5), decided by
+the config itself (`model_type: deepseek_v4`, a `DeepseekV4*` architecture, or a V4-only key such as
+`num_hash_layers`). A V4 config starts from the V4 defaults (`V4_DEFAULTS`: eps 1e-6, no Engram, one classic
+MTP layer, no DSpark, no vision, no cross-layer sharing) before its own keys are applied."""
 
 from __future__ import annotations
 
@@ -85,12 +90,27 @@ class ModelConfig:
     max_seq_len: int = 4096
     max_batch_size: int = 4
     temperature: float = 1.0
-    # vision (the oracle is text-only; recorded for completeness)
+    # vision (§2.1, §16): tower, aligner and image processor sizes; vision_n_layers 0 turns the path off
     vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
     image_token_id: int = 129264
+    # DeepSeek-V4 (dsv4-engine.md §5): the architecture, its hash-routed first layers, the activation scale format
+    arch: str = "v4.1"
+    n_hash_layers: int = 0
+    scale_fmt: str | None = "ue8m0"
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"config: arch {self.arch!r}: expected one of {ARCHITECTURES}")
         n_all = self.n_layers + self.n_mtp_layers
         if len(self.compress_ratios) != n_all:
             raise ConfigError(
@@ -102,6 +122,9 @@ class ModelConfig:
             raise ConfigError(f"config: rope_head_dim {self.rope_head_dim} must be even and <= head dims")
         if self.n_shared_experts != 1:
             raise ConfigError(f"config: n_shared_experts must be 1 (got {self.n_shared_experts})")
+        if self.is_v4:
+            self._check_v4()
+            return
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError("config: engram_layer_ids and engram_num_embeddings differ in length")
         for L in range(self.n_layers):
@@ -112,11 +135,54 @@ class ModelConfig:
                 raise ConfigError(f"config: layer {L} (ratio {r}) has no preceding index source")
         if self.candidate_source_layer >= 0 and self.candidate_source_layer not in self.index_source_layers:
             raise ConfigError(f"config: candidate source {self.candidate_source_layer} is not an index source")
+        if self.vision_n_layers > 0:
+            if self.vision_dim % self.vision_n_heads or (self.vision_dim // self.vision_n_heads) % 4:
+                raise ConfigError(f"config: vision_dim {self.vision_dim} / vision_n_heads {self.vision_n_heads} "
+                                  "must be a head size divisible by 4 (2-D RoPE rotates half of it, §16)")
+
+    def _check_v4(self) -> None:
+        """The V4 reference's own assumptions (dsv4-engine.md §5), named rather than computed wrongly."""
+        # the reference overlaps ratio-4 windows and pools any other ratio plainly; the releases use {0, 4, 128}
+        if any(r < 0 for r in self.compress_ratios):
+            raise ConfigError(f"config: compress_ratios {list(self.compress_ratios)} has a negative ratio")
+        if not 0 <= self.n_hash_layers <= self.n_layers:
+            raise ConfigError(f"config: num_hash_layers {self.n_hash_layers} outside 0..{self.n_layers}")
+        if not self.norm_topk_prob and self.score_func != "softmax":
+            raise ConfigError("config: norm_topk_prob false: the DeepSeek-V4 reference always divides the routing "
+                              "weights by their sum (score_func != softmax) and has no switch for it")
+        if self.engram_layer_ids or self.dspark_block_size or self.vision_n_layers:
+            raise ConfigError("config: DeepSeek-V4 has no Engram, DSpark or vision path (engram_layer_ids, "
+                              "dspark_block_size, vision_n_layers must be empty / 0)")
+        if self.gate_temp != 1.0:
+            raise ConfigError("config: gate_temp is a V4.1 router setting; the DeepSeek-V4 router has none")
+        if self.scale_fmt not in ("ue8m0", None):
+            raise ConfigError(f"config: scale_fmt {self.scale_fmt!r}: expected 'ue8m0' or null")
+        if (self.head_dim - self.rope_head_dim) % 64:
+            raise ConfigError(f"config: head_dim {self.head_dim} - rope {self.rope_head_dim} is not a multiple of 64 "
+                              "(the fp8 KV blocks of dsv4-engine.md §5)")
+        for what, d in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank), ("moe_inter_dim", self.moe_inter_dim),
+                        ("o_groups * o_lora_rank", self.o_groups * self.o_lora_rank)):
+            if d % 128:
+                raise ConfigError(f"config: {what} = {d} is not a multiple of 128 (V4 QDQs GEMM inputs per 128)")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            raise ConfigError(f"config: index_head_dim {self.index_head_dim} must be a power of two (Hadamard)")
 
     # ---- derived (§2.3, §3) -----------------------------------------------------------------
     @property
+    def is_v4(self) -> bool:
+        return self.arch == "v4"
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        """V4: the first num_hash_layers layers route by tid2eid[token id] (dsv4-engine.md §5)."""
+        return self.is_v4 and layer_id < self.n_hash_layers
+
+    @property
     def hc_dim(self) -> int:
         return self.hc_mult * self.dim
+
+    @property
+    def vision_head_dim(self) -> int:
+        return self.vision_dim // self.vision_n_heads
 
     @property
     def mix_hc(self) -> int:
@@ -176,6 +242,7 @@ class ModelConfig:
             top = {k: v for k, v in d.items() if k != "text_config"}
             d = {**top, **d["text_config"]}
         out: dict[str, Any] = {}
+        arch = detect_arch(d)
 
         def put(key, value, src):
             if key in out and out[key] != value:
@@ -187,17 +254,28 @@ class ModelConfig:
         for k, v in d.items():
             if k in _HF_KEYS:
                 put(_HF_KEYS[k], v, k)
-            elif k == "rope_scaling" and isinstance(v, dict):
+            elif k in ("rope_scaling", "rope_parameters") and isinstance(v, dict):
                 if v.get("rope_type", v.get("type")) not in ("yarn", None):
-                    raise ConfigError(f"config: rope_scaling type {v.get('rope_type')!r} is not yarn")
+                    raise ConfigError(f"config: {k} type {v.get('rope_type')!r} is not yarn")
+                if k == "rope_parameters" and "rope_theta" in v:  # transformers >= 5 spelling
+                    put("rope_theta", v["rope_theta"], "rope_parameters.rope_theta")
                 for hk, ik in (("factor", "rope_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
                                ("original_max_position_embeddings", "original_seq_len")):
                     if hk in v:
                         put(ik, v[hk], f"rope_scaling.{hk}")
+            elif k == "vision_config" and isinstance(v, dict):
+                for hk, hv in v.items():
+                    if hk in _HF_VISION_KEYS:
+                        put(_HF_VISION_KEYS[hk], hv, f"vision_config.{hk}")
+                extra[k] = v
             elif k == "quantization_config" and isinstance(v, dict):
                 if "expert_dtype" in v:
                     put("expert_dtype", v["expert_dtype"], "quantization_config.expert_dtype")
+                if arch == "v4" and "scale_fmt" in v:
+                    put("scale_fmt", v["scale_fmt"], "quantization_config.scale_fmt")
                 extra[k] = v
+            elif arch == "v4" and k in _V4_KEYS:
+                put(_V4_KEYS[k], v, k)
             elif k in names:
                 put(k, v, k)
             elif k in _METADATA_KEYS or k.startswith("ds41_"):   # the harness's own marks (tiny builds)
@@ -209,12 +287,25 @@ class ModelConfig:
                                     f"keys {sorted(_METADATA_KEYS)}")
         if "n_layers" not in out:
             raise ConfigError("config: n_layers (HF: num_hidden_layers) is missing; every other size depends on it")
+        if arch == "v4":
+            if out.get("arch", "v4") != "v4":
+                raise ConfigError(f"config: arch {out['arch']!r} contradicts the DeepSeek-V4 markers of this config")
+            out["arch"] = "v4"
+            for k, v in V4_DEFAULTS.items():
+                out.setdefault(k, v)
+            if "compress_ratios" not in out:
+                raise ConfigError("config: a DeepSeek-V4 config needs compress_ratios (one per layer + MTP layer)")
         if out.get("dtype") in ("bfloat16",):  # the HF top-level dtype is the storage default, not the scheme
             extra["hf_dtype"] = out.pop("dtype")
         for k, v in list(out.items()):
             if isinstance(v, list):
                 out[k] = tuple(v)
             _check_type(k, out[k], getattr(_DEFAULTS, k))
+        if arch == "v4":
+            n_all = out["n_layers"] + out["n_mtp_layers"]
+            if len(out["compress_ratios"]) == out["n_layers"] and out["n_mtp_layers"]:
+                raise ConfigError(f"config: compress_ratios has {out['n_layers']} entries; DeepSeek-V4 lists one "
+                                  f"more per MTP layer ({n_all} for {out['n_mtp_layers']} MTP layer(s))")
         return cls(**out, extra=extra)
 
     @classmethod
@@ -263,6 +354,45 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
+ARCHITECTURES = ("v4.1", "v4")
+
+# ModelConfig fields that only a DeepSeek-V4 config sets (a V4.1 inference config.json has none of them)
+V4_ONLY_FIELDS = ("arch", "n_hash_layers", "scale_fmt")
+
+# DeepSeek-V4 (Flash) values where they differ from the V4.1 defaults of ModelConfig (dsv4-engine.md §5);
+# a V4 config.json's own keys override them.
+V4_DEFAULTS: dict[str, Any] = dict(
+    dim=4096, n_layers=43, n_mtp_layers=1, q_lora_rank=1024, moe_inter_dim=2048, n_routed_experts=256,
+    n_activated_experts=6, index_n_heads=64, norm_eps=1e-6, n_hash_layers=3,
+    kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
+    engram_layer_ids=(), engram_num_embeddings=(), dspark_block_size=0, dspark_target_layer_ids=(),
+    dspark_n_routed_experts=0, dspark_n_activated_experts=0, vision_n_layers=0, dtype="fp8",
+)
+
+# keys only a V4 config has, or spells its own way -> field
+_V4_KEYS = {"num_hash_layers": "n_hash_layers", "n_hash_layers": "n_hash_layers", "scoring_func": "score_func",
+            "scale_fmt": "scale_fmt"}
+
+
+def detect_arch(d: dict[str, Any]) -> str:
+    """'v4' for a DeepSeek-V4 config (model_type deepseek_v4, a DeepseekV4* architecture, or a V4-only key),
+    else 'v4.1'. An explicit `arch` key wins; contradictions are errors."""
+    markers = []
+    if str(d.get("model_type", "")).lower() in ("deepseek_v4", "deepseek-v4"):
+        markers.append("model_type")
+    if any(str(a).startswith("DeepseekV4") and not str(a).startswith("DeepseekV41") for a in d.get("architectures") or ()):
+        markers.append("architectures")
+    if d.get("num_hash_layers") or d.get("n_hash_layers"):     # V4.1 has none: 0 is no marker
+        markers.append("num_hash_layers")
+    if "arch" in d:
+        if d["arch"] not in ARCHITECTURES:
+            raise ConfigError(f"config: arch {d['arch']!r}: expected one of {ARCHITECTURES}")
+        if d["arch"] == "v4.1" and markers:
+            raise ConfigError(f"config: arch 'v4.1' but {markers[0]} marks a DeepSeek-V4 config")
+        return d["arch"]
+    return "v4" if markers else "v4.1"
+
+
 # HF text_config key -> inference key (§2.2)
 _HF_KEYS = {
     "hidden_size": "dim",
@@ -284,6 +414,15 @@ _HF_KEYS = {
 }
 
 
+# HF vision_config key -> inference key (§2.2)
+_HF_VISION_KEYS = {
+    "num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim", "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim", "patch_size": "vision_patch_size", "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio", "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels", "max_wh_ratio": "vision_max_wh_ratio",
+}
+
+
 # Keys of a real config.json that describe the file or other parts of the model, not the text model the
 # oracle computes (dsv41-architecture.md §2.2); kept in `extra`. Anything else unknown is a typo.
 _METADATA_KEYS = {
@@ -291,6 +430,9 @@ _METADATA_KEYS = {
     "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "vision_config", "num_key_value_heads",
     "max_position_embeddings", "topk_method", "hidden_act", "tie_word_embeddings", "use_cache",
     "initializer_range", "attention_bias", "attention_dropout", "hf_dtype",
+    # DeepSeek-V4 HF metadata (dsv4-engine.md §2); the oracle's choices for them are fixed by the reference
+    "rope_interleave", "qk_nope_head_dim", "layer_types", "mlp_layer_types", "first_k_dense_replace", "n_group",
+    "topk_group", "ep_size", "moe_layer_freq", "kv_lora_rank", "v_head_dim", "num_experts",
 }
 
 _DEFAULTS = ModelConfig()
@@ -301,7 +443,7 @@ def _check_type(key: str, value: Any, default: Any) -> None:
     def is_int(v):
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if value is None and key == "expert_dtype":
+    if value is None and key in ("expert_dtype", "vision_max_wh_ratio", "scale_fmt"):
         return
     if isinstance(default, bool):
         ok = isinstance(value, bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .numerics import Numerics
+from .numerics import Numerics, aligned, in_f64, mm, rstd_f64
 from .weights import need
 
 
@@ -35,3 +35,31 @@ class Embedding:
         if int(ids.min()) < 0 or int(ids.max()) >= self.weight.shape[0]:
             raise ValueError(f"embed: token id outside 0..{self.weight.shape[0] - 1}")
         return self.weight[ids]
+
+
+class HyperHead(Head):
+    """DeepSeek-V4's head (dsv4-engine.md §5 "hyper-connections"): the residual streams collapse with their
+    own `hc_head_fn/base/scale` (pre = sigmoid(mixes·scale + base) + hc_eps, no Sinkhorn), then the final
+    norm and the fp32 vocabulary projection of `Head`. Called on the streams [b, s, hc, d]."""
+
+    takes_streams = True
+
+    def load(self, w: dict) -> "HyperHead":
+        super().load(w)
+        self.hc_fn, self.hc_base, self.hc_scale = (need(w, f"hc_head_{k}") for k in ("fn", "base", "scale"))
+        return self
+
+    def collapse(self, h: torch.Tensor, num: Numerics) -> torch.Tensor:
+        cfg = self.cfg
+        xf = h.flatten(-2)
+        if num.bf16:  # the reference's fp32 statistic, fp32 F.linear, fp32 sigmoid and sum, then bf16
+            rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
+            mixes = torch.nn.functional.linear(aligned(xf), aligned(self.hc_fn)) * rstd
+            pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + cfg.hc_eps
+            return num.r(torch.sum(pre.unsqueeze(-1) * h, dim=-2))
+        mixes = mm(xf, self.hc_fn) * rstd_f64(xf, cfg.norm_eps, keepdim=True)
+        pre = in_f64(torch.sigmoid, mixes * self.hc_scale + self.hc_base) + cfg.hc_eps
+        return in_f64(lambda p, v: torch.sum(p.unsqueeze(-1) * v, dim=-2), pre, h)
+
+    def __call__(self, h: torch.Tensor, num: Numerics) -> torch.Tensor:
+        return super().__call__(self.collapse(h, num), num)

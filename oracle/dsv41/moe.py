@@ -30,16 +30,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg
     return wts * cfg.route_scale, idx
 
 
-def expert(x: torch.Tensor, w1, w2, w3, limit: float, num: Numerics, wts: torch.Tensor | None = None):
-    """Clamped SwiGLU (§13.2): up clamped both sides, gate from above; routing weight before w2."""
-    g, u = num.qlinear(x, w1), num.qlinear(x, w3)
+def expert(x: torch.Tensor, w1, w2, w3, limit: float, num: Numerics, wts: torch.Tensor | None = None,
+           **qlinear_kw):
+    """Clamped SwiGLU (§13.2): up clamped both sides, gate from above; routing weight before w2.
+    `qlinear_kw`: the activation / GEMM blocks of the architecture (V4: numerics.qlinear's block 128)."""
+    g, u = num.qlinear(x, w1, **qlinear_kw), num.qlinear(x, w3, **qlinear_kw)
     if limit > 0:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
     h = num.f32(F.silu, g) * u
     if wts is not None:
         h = wts * h
-    return num.qlinear(num.r(h), w2)
+    return num.qlinear(num.r(h), w2, **qlinear_kw)
 
 
 class MoE:
@@ -63,7 +65,9 @@ class MoE:
     def expert_weights(self, e: int):
         return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
-    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids` is accepted for the V4 MoE's signature (hash routing) and not used here."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         bias = self.bias
@@ -75,7 +79,7 @@ class MoE:
         lim = self.cfg.swiglu_limit
         for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
             rows, slot = torch.where(idx == e)
-            w1, w2, w3 = self.expert_weights(e)
-            y[rows] += expert(x[rows], w1, w2, w3, lim, num, wts[rows, slot, None])
+            # no local keeps expert e's weights past this call: a streamed layer reuses their arrays for e + 1
+            y[rows] += expert(x[rows], *self.expert_weights(e), lim, num, wts[rows, slot, None])
         y = y + expert(x, *self.shared, lim, num)
         return num.r(y).reshape(shape)

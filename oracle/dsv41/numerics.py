@@ -256,18 +256,25 @@ class Numerics:
         """A linear the reference runs as an fp32 F.linear (fp32 weight: head, router, ratio-2 compressor)."""
         return torch.nn.functional.linear(aligned(x), aligned(w)) if self.bf16 else mm(x, w)
 
-    def qlinear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A linear whose reference weight is FP8/FP4: QDQ8 on the input, then the GEMM; in reference mode
-        accumulated per 32-wide K block like the kernel and rounded to bf16 (§5.1, §6.2)."""
+    def qlinear(self, x: torch.Tensor, w: torch.Tensor, block: int = 32, gemm_block: int | None = None,
+                fmt: str | None = "ue8m0") -> torch.Tensor:
+        """A linear whose reference weight is FP8/FP4: QDQ8 on the input (one scale per `block` channels:
+        32 in V4.1, 128 in V4; `fmt` its scale format), then the GEMM; in reference mode accumulated per
+        `gemm_block`-wide (default `block`) K block like the kernel and rounded to bf16 (§5.1, §6.2)."""
+        xq = qdq8(x, block) if fmt == "ue8m0" else act_quant_dequant(x, block, fmt)
         if self.bf16:
-            return _bf16(blocked_gemm(qdq8(x, 32), w))
-        return mm(qdq8(x, 32), w)
+            return _bf16(blocked_gemm(xq, w, gemm_block or block))
+        return mm(xq, w)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A plain bf16-weight linear (no activation QDQ); a bf16 F.linear in reference mode."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A plain bf16-weight linear (no activation QDQ); a bf16 F.linear in reference mode. A bias is added
+        before the single rounding (fp32 mode: in float64, like the product)."""
         if self.bf16:
-            return torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
-        return mm(x, w)
+            b = None if bias is None else bias.to(torch.bfloat16)
+            return torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16), b).float()
+        if bias is None:
+            return mm(x, w)
+        return (x.double() @ _SCRATCH.f64(w).T + bias.double()).float()
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """§5.1 RMSNorm; eps = 1e-20 in the LLM."""

@@ -35,6 +35,9 @@ class RunOptions:
     shard: tuple[int, int] | None = None  # (I, N), recorded in the provenance
     seq_indices: tuple[int, ...] | None = None  # panel indices of the sequences (sharding)
     panel_sequences: int | None = None  # sequences in the whole panel (sharding)
+    # decode each routed expert when the MoE reaches it (one expert held, not the layer's: 54 GB fp32 on the
+    # release) and send the stage's sequences through as few MoE calls as STREAM_GROUP_BYTES allows
+    stream_experts: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISION_MODES:

@@ -21,6 +21,9 @@ masks, owner pointers, tie counts) is a StageWriter entry (spill.py), held in RA
 stage is committed atomically into the work dir (workdir.py), so a run killed at any point continues from
 the last finished stage and produces the same bytes as an uninterrupted run. Sharding and merging shard
 records: shards.py. Allocator, /proc and readahead plumbing: host.py.
+
+A DeepSeek-V4 checkpoint (`cfg.is_v4`) runs the same stages with the V4 layer (block_v4.BlockV4, which also
+gets the token ids for its hash routing) and the V4 head (head.HyperHead: norm, head and hc_head_*).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -46,10 +50,11 @@ from panels.pre_encoded import sequences_hash
 
 from .attention import LayerCache, SharedRuntime
 from .block import Block, ModelState, StepContext, embed_step, engram_step, head_step
+from .block_v4 import block_class
 from .checkpoint import Checkpoint, OutputBuffers
 from .engram import Engram, EngramLayout, NgramHasher, compressed_token_map, tiny_token_map
 from .formats import warm_up_decoders
-from .head import Embedding, Head
+from .head import Embedding, Head, HyperHead
 from .host import MallocTuning, Readahead, meminfo_kib, reset_peak_rss, status_kib
 from .model import Model
 from .numerics import Numerics, TieStats
@@ -58,17 +63,20 @@ from .spill import StageReader, StageWriter
 from .tiny import is_tiny_checkpoint
 from .workdir import KILL_ENV, MANIFEST, WorkDir, fault
 
-__all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "engram_token_map",
+__all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "checkpoint_identity", "engram_token_map",
            "forward_in_memory", "run_panel", "run_to_file"]
 
 # Engram tables up to this many fp32 bytes are loaded whole (tiny checkpoints); larger ones (the release's
 # ~98 GB tables) are read row by row through Checkpoint.engram_rows.
 WHOLE_TABLE_BYTES = 1 << 30
 # LayerCache fields only the owning layer reads, and only in decode: dropped after the layer (prefill only)
-PREFILL_ONLY_CACHE_FIELDS = ("window_kv", "carry_kv", "carry_score", "ring")
+PREFILL_ONLY_CACHE_FIELDS = ("window_kv", "carry_kv", "carry_score", "ring", "compress_state", "index_state")
 # Sequences share one MoE call while their pending fp32 state (FFN input and output, the residual stream
 # and the mHC mixes) stays under this many bytes; a longer sequence goes alone.
 MOE_GROUP_BYTES = 1 << 27
+# With streamed experts every MoE call decodes each expert it uses again, so the stage's sequences share as
+# few calls as this much pending state allows (the default panel at release size: one call, ~1.5 GB)
+STREAM_GROUP_BYTES = 1 << 32
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -173,7 +181,8 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
     reset_peak_rss()
     bar = _Progress(opts.progress, n_stages + 1, len(seqs))
     # reference-bf16 reproduces the reference's per-sequence calls, whose fp32 ops depend on the row count
-    groups = moe_groups(seqs, cfg) if opts.precision == "fp32" else [[i] for i in range(len(seqs))]
+    groups = moe_groups(seqs, cfg, STREAM_GROUP_BYTES if opts.stream_experts else MOE_GROUP_BYTES) \
+        if opts.precision == "fp32" else [[i] for i in range(len(seqs))]
     try:
         with compute_context(opts.device, opts.threads):
             for stage in range(start, n_stages):
@@ -186,13 +195,14 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
                     step = _embed_stage_step(Embedding(cfg).load(w), cfg.hc_mult, opts)
                 else:
                     L = stage - 1
-                    w, nbytes = _load_layer(ck, L, opts.device, buffers, opts.precision)
-                    step = _layer_stage_step(Block(cfg, L, opts.index_k).load(w),
+                    w, nbytes = _load_layer(ck, L, opts.device, buffers, opts.precision, opts.stream_experts)
+                    step = _layer_stage_step(block_class(cfg)(cfg, L, opts.index_k).load(w),
                                              Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None,
                                              hasher, opts)
                 _release_file_handles(ck)  # the shards' mapped pages are not needed once decoded
                 stats.read_s += time.perf_counter() - t
-                next_prefixes = ["head", "norm.weight"] if stage + 1 == n_stages else [f"layers.{stage}"]
+                next_prefixes = (["head", "norm.weight"] + ([f"hc_head_{k}" for k in ("fn", "base", "scale")] if cfg.is_v4 else [])
+                                 if stage + 1 == n_stages else [f"layers.{stage}"])
                 readahead.start([r for p in next_prefixes for r in ck.byte_ranges(p)])
                 if nbytes > stats.largest_stage_weight_bytes:
                     stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
@@ -342,7 +352,7 @@ def _layer_stage_step(block: Block, engram: Engram | None, hasher: NgramHasher |
     to a call per sequence; tested against the in-memory forward). The router's tie counts of the group
     are credited to its first sequence: the run's totals are exact."""
     def step(group: list[EncodedSequence], states):
-        runs, ffn_inputs = [], []
+        runs, ffn_inputs, group_ids = [], [], []
         for seq, state in zip(group, states):
             st, h, pre = _restore(*state, opts.precision, opts.device)
             hashes = None
@@ -351,12 +361,15 @@ def _layer_stage_step(block: Block, engram: Engram | None, hasher: NgramHasher |
                     ids = torch.tensor([seq.token_ids], dtype=torch.int64)
                     hashes, _ = hasher(ids, hasher.new_history(1), 0)
             h = engram_step(engram, h, hashes, None, st.num)
-            ffn_in, pending = block.attention_part(h, pre, StepContext(0, st))
+            ids = torch.tensor([seq.token_ids], dtype=torch.int64, device=h.device)
+            ffn_in, pending = block.attention_part(h, pre, StepContext(0, st, input_ids=ids))
             runs.append((st, pending))
             ffn_inputs.append(ffn_in)
+            group_ids.append(ids)
             del h, pre
         lengths = [x.shape[1] for x in ffn_inputs]
-        y = block.ffn(torch.cat(ffn_inputs, dim=1), None, runs[0][0].num)
+        # the token ids travel with the rows: V4's hash-routed layers pick experts by them
+        y = block.ffn(torch.cat(ffn_inputs, dim=1), None, runs[0][0].num, torch.cat(group_ids, dim=1))
         del ffn_inputs
         out = []
         for (st, pending), y_seq in zip(runs, torch.split(y, lengths, dim=1)):
@@ -371,8 +384,11 @@ def _head_stage(ck, panel: EncodedPanel, reader: StageReader, opts: RunOptions, 
     cfg = ck.model_config
     bar.begin("head", 1 + cfg.n_layers)
     t = time.perf_counter()
-    w, nbytes = _load_named(ck, {"norm.weight": "tensor", "head.weight": "linear"}, opts.device)
-    head = Head(cfg).load(w)
+    names = {"norm.weight": "tensor", "head.weight": "linear"}
+    if cfg.is_v4:  # the V4 head collapses the streams with its own hc_head weights
+        names.update({f"hc_head_{k}": "tensor" for k in ("fn", "base", "scale")})
+    w, nbytes = _load_named(ck, names, opts.device)
+    head = (HyperHead(cfg) if cfg.is_v4 else Head(cfg)).load(w)
     stats.read_s += time.perf_counter() - t
     if nbytes > stats.largest_stage_weight_bytes:
         stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, "head"
@@ -399,7 +415,7 @@ def _head_stage(ck, panel: EncodedPanel, reader: StageReader, opts: RunOptions, 
 
 def _job_identity(ck: Checkpoint, panel: EncodedPanel, opts: RunOptions) -> dict:
     """What must be equal for a work dir to be continued: a different one would mix two computations."""
-    return {"checkpoint_hash": _identity_hash(ck),
+    return {"checkpoint_hash": checkpoint_identity(ck),
             "pack": str(ck.pack_dir) if ck.pack_dir else None, "panel_hash": panel.panel_hash,
             "sequences": sequences_hash(panel.sequences), "precision": opts.precision, "index_k": opts.index_k,
             "device": opts.device, "threads": opts.threads, "torch": torch.__version__}
@@ -412,12 +428,12 @@ def weights_read_hash(loaded: dict[str, str]) -> str:
 def _provenance(ck: Checkpoint, panel: EncodedPanel, opts: RunOptions, loaded: dict, ties: dict):
     n = opts.panel_sequences or len(panel.sequences)
     return oracle_provenance(
-        panel, precision=opts.precision,
+        panel, precision=opts.precision, vocab_size=int(ck.model_config.vocab_size),
         source={"oracle": "oracle.dsv41", "checkpoint": str(ck.dir.resolve()),
                 "pack": str(ck.pack_dir.resolve()) if ck.pack_dir else None,
                 # the build's identity (config, index, plan, every header): taken before any read, so equal
                 # across resumed and sharded runs
-                "checkpoint_hash": _identity_hash(ck),
+                "checkpoint_hash": checkpoint_identity(ck),
                 "weights_read_sha256": weights_read_hash(loaded), "tensors_read": len(loaded)},
         extra={"top_k": opts.top_k, "index_k": opts.index_k, "device": opts.device,
                "threads": opts.threads, "torch": torch.__version__,
@@ -427,7 +443,9 @@ def _provenance(ck: Checkpoint, panel: EncodedPanel, opts: RunOptions, loaded: d
                "ties": ties})
 
 
-def _identity_hash(ck: Checkpoint) -> str:
+def checkpoint_identity(ck: Checkpoint) -> str:
+    """The build's identity hash (config, index, plan, every header), whatever this object has read so far:
+    equal across resumed, sharded and cluster runs of one build."""
     saved = ck._loaded, ck._rows_read
     ck._loaded, ck._rows_read = {}, {}
     try:
@@ -456,30 +474,71 @@ class _EngramRows:
         self.ck, self.layer, self.device = ck, layer, device
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.ck.engram_rows(self.layer, rows.cpu()).to(self.device)
+        with torch.device("cpu"):  # the reader's index arithmetic is CPU tensors, whatever the compute device
+            return self.ck.engram_rows(self.layer, rows.cpu()).to(self.device)
 
 
 def _load_layer(ck: Checkpoint, L: int, device: str, buffers: OutputBuffers | None = None,
-                precision: str = "fp32") -> tuple[dict, int]:
+                precision: str = "fp32", stream_experts: bool = False) -> tuple[dict, int]:
     """Full-name fp32 weights of layer L on `device`, and their byte count (the stage's working set).
-    On the CPU the routed experts (the bulk of a layer, kept fp32 for the whole stage) are decoded into
-    `buffers`, the previous layer's arrays; the rest mostly becomes float64 at once (_dot_only_weight)."""
+    On the CPU the routed experts (the bulk of a layer, kept fp32 for the whole stage: 54 GB on the release)
+    are decoded into `buffers`, the previous layer's arrays; the rest mostly becomes float64 at once
+    (_dot_only_weight). With `stream_experts` the experts are decoded one at a time as the MoE asks for them
+    (StreamedExperts); the byte count is then the rest plus one expert."""
     prefix = f"layers.{L}."
     table = f"layers.{L}.engram.embed"
     spec = ck.inventory.tables.get(table)
     whole = spec is None or spec.rows * spec.width * 4 <= WHOLE_TABLE_BYTES
     w = {prefix + k: v.to(device) for k, v in ck.load_layer(L, tables=whole, experts=False).items()}
-    pool = buffers if device == "cpu" else None
-    for e in range(ck.model_config.moe_experts(L)[0]):
-        for k, v in ck.load_expert(L, e, pool).items():
-            w[f"{prefix}ffn.experts.{e}.{k}.weight"] = v.to(device)
-    nbytes = sum(t.numel() * t.element_size() for t in w.values())
+    n_experts = ck.model_config.moe_experts(L)[0]
+    if stream_experts:
+        w = StreamedExperts(w, ck, L, device)
+        one = 3 * ck.model_config.dim * ck.model_config.moe_inter_dim * 4
+        nbytes = sum(t.numel() * t.element_size() for t in w.values()) + (one if n_experts else 0)
+    else:
+        pool = buffers if device == "cpu" else None
+        for e in range(n_experts):
+            for k, v in ck.load_expert(L, e, pool).items():
+                w[f"{prefix}ffn.experts.{e}.{k}.weight"] = v.to(device)
+        nbytes = sum(t.numel() * t.element_size() for t in w.values())
     # only fp32 mode accumulates in float64; reference-bf16 runs the reference's fp32 / bf16 products
     for name in [n for n in w if precision == "fp32" and _dot_only_weight(n)]:
         w[name] = w[name].double()  # replaces the fp32 copy: see _dot_only_weight
     if not whole:
         w[table + ".weight"] = _EngramRows(ck, L, device)
     return w, nbytes
+
+
+class StreamedExperts(dict):
+    """A layer's weights whose routed experts are decoded when first asked for (`w[name]`, as `need` and
+    MoE.expert_weights do), one expert at a time: asking for expert e drops the expert held before and
+    decodes e into its fp32 arrays (reused once nothing else references them: moe.MoE keeps no weight past its
+    product). The MoE visits each used expert once per call, in ascending order, so a stage decodes every
+    expert once per MoE call; the values are the same exact decode, so the record is bit-identical (tested)."""
+
+    _NAME = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+
+    def __init__(self, dense: dict, ck: Checkpoint, layer: int, device: str):
+        super().__init__(dense)
+        self.ck, self.layer, self.device = ck, layer, device
+        self.pool = OutputBuffers()
+        self.held: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.decoded = 0  # expert decodes so far
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        m = self._NAME.fullmatch(name)
+        if m is None or int(m.group(1)) != self.layer:
+            raise KeyError(name)
+        e = int(m.group(2))
+        if not 0 <= e < self.ck.model_config.moe_experts(self.layer)[0]:
+            raise KeyError(name)
+        if self.held is None or self.held[0] != e:
+            self.held = None
+            self.pool.reclaim()  # the previous expert's arrays, now unreferenced, take the next one
+            cpu = self.ck.load_expert(self.layer, e, self.pool if self.device == "cpu" else None)
+            self.held = (e, {k: v.to(self.device) for k, v in cpu.items()})
+            self.decoded += 1
+        return self.held[1][m.group(3)]
 
 
 def _dot_only_weight(name: str) -> bool:
@@ -548,7 +607,7 @@ def _restore(arrays: dict[str, np.ndarray], meta: dict, precision: str, device: 
 
 
 def full_weights(ck: Checkpoint) -> dict[str, torch.Tensor]:
-    w = dict(ck.load_top())
+    w = dict(ck.load_top(vision=ck.model_config.vision_n_layers > 0))
     for L in range(ck.model_config.n_layers):
         w.update({f"layers.{L}.{k}": v for k, v in ck.load_layer(L).items()})
     return w

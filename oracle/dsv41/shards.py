@@ -87,10 +87,12 @@ def merge_records(paths: Sequence[str | os.PathLike]) -> Record:
     if missing or sorted(by_index) != list(range(total)):
         raise MergeError(f"merge: shards {missing} of {shard_n} are missing "
                          f"({total - len(by_index)} of {total} sequences absent)")
-    extra = {k: v for k, v in a.extra.items() if k not in ("shard", "seq_indices", "ties", "run")}
+    per_shard = ("run", "cluster")  # timings, and where a cluster ran the shard: kept per shard below
+    extra = {k: v for k, v in a.extra.items() if k not in ("shard", "seq_indices", "ties") + per_shard}
     extra.update({"shard": None, "panel_sequences": total, "seq_indices": list(range(total)),
                   "ties": {"total": ties.total, "counts": dict(sorted(ties.counts.items()))},
                   "merged_from": [{"file": str(p), "shard": r.provenance.extra["shard"],
-                                   "run": r.provenance.extra.get("run")} for p, r in recs]})
+                                   **{k: r.provenance.extra[k] for k in per_shard if k in r.provenance.extra}}
+                                  for p, r in recs]})
     prov = dataclasses.replace(a, created=Provenance.now(), extra=extra)
     return Record.from_sequences(prov, [by_index[i] for i in range(total)], k=r0.k)

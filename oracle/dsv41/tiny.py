@@ -22,7 +22,7 @@ from core.atomic import atomic_path, atomic_write_text
 
 from . import formats as F
 from .checkpoint import INDEX_NAME, PLAN_NAME, Checkpoint, expected_inventory, engram_prime_rows
-from .config import ModelConfig
+from .config import V4_ONLY_FIELDS, ModelConfig
 from .quant import e4m3_rne, pow2ceil
 
 FP8_BLOCK = (32, 32)
@@ -34,11 +34,21 @@ _GAINS = {"attn.wq_a": 1.6, "attn.wq_b": 0.95, "attn.wkv": 1.8, "attn.wo_a": 1.6
 _NORM_MEANS = {"attn_norm": 0.025, "ffn_norm": 0.2, "q_norm": 0.97, "kv_norm": 0.4, "compressor.norm": 0.6,
                "k_norm": 0.5}
 EMBED_RMS = 0.12
+# vision tower / aligner biases: no released statistic in §20.5; small against the unit-scale activations
+# the tower's pre-norm blocks see (own choice)
+VISION_BIAS_STD = 0.02
+# §20.6's tiny ViT, plus the sizes a tiny vocabulary needs: image_token_id inside it (510; 511 is the DSpark
+# noise token), no minimum pixel count (small test images keep their size), a span budget of 64 positions
+TINY_VISION_OVERRIDES = {"vision_n_layers": 2, "vision_dim": 64, "vision_n_heads": 4, "vision_inter_dim": 128,
+                         "vision_patch_size": 14, "vision_downsample_ratio": 3, "image_token_id": 510,
+                         "vision_min_pixels": 0, "vision_max_n_token": 64}
 FP4_RMS = 3.2
 ENGRAM_RMS = 0.12  # not given by §20.5; an embedding-like table, so the embedding RMS (own choice)
 
 
 def _gain(prefix: str) -> float:
+    if prefix.startswith(("vision.", "aligner.")):  # §20.5's gains are the LLM's; the tower's linears gain 1
+        return 1.0
     for key, g in _GAINS.items():
         if prefix.endswith("." + key) and not (key == "attn.wq_b" and ".indexer." in prefix):
             return g
@@ -112,6 +122,42 @@ def _prepare_out(out_dir) -> Path:
     return out
 
 
+def _draw_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A non-linear tensor's fp32 values by §20.5 (before its storage rounding)."""
+    g = _gen(seed, name)
+    if name == "embed.weight":
+        return torch.randn(shape, generator=g) * EMBED_RMS
+    if len(shape) == 2:  # hc_*_fn, Engram q/k weights: "other matrices gain 1"
+        return torch.randn(shape, generator=g) * shape[1] ** -0.5
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
+        key = next((k for k in _NORM_MEANS if name.endswith(f".{k}.weight")), None)
+        return _NORM_MEANS.get(key, 1.0) * (1 + 0.1 * torch.randn(shape, generator=g))
+    if name.startswith(("vision.", "aligner.")):  # Linear biases
+        return VISION_BIAS_STD * torch.randn(shape, generator=g)
+    if name.startswith("image_"):  # learned span markers, rows of the embedding space
+        return torch.randn(shape, generator=g) * EMBED_RMS
+    return 0.5 * torch.randn(shape, generator=g)  # hc bases / scales, attn_sink, gate biases
+
+
+def _draw_bf16_linear(prefix: str, out: int, in_: int, seed: int) -> torch.Tensor:
+    std = _gain(prefix) * in_ ** -0.5
+    return (torch.randn(out, in_, generator=_gen(seed, prefix)) * std).to(torch.bfloat16)
+
+
+def random_vision_weights(cfg: ModelConfig, seed: int, prefix: str) -> dict[str, torch.Tensor]:
+    """fp32 values of the vision / aligner tensors under `prefix` (e.g. "vision.blocks.7."), exactly as
+    `write_tiny_checkpoint` stores them (bf16 weights, fp32 of bf16 norm weights) - without writing a
+    checkpoint, so a release-size tower can be drawn one block at a time."""
+    inv = expected_inventory(cfg)
+    out = {f"{p}.weight": _draw_bf16_linear(p, s.out, s.in_, seed).float()
+           for p, s in inv.linears.items() if (p + ".").startswith(prefix)}
+    out.update({n: _draw_tensor(n, s.shape, seed).to(torch.bfloat16).float()
+                for n, s in inv.tensors.items() if n.startswith(prefix)})
+    if not out:
+        raise KeyError(f"random_vision_weights: no tensor under {prefix!r} (vision_n_layers {cfg.vision_n_layers})")
+    return out
+
+
 def tiny_config(config_overrides: dict | None = None) -> ModelConfig:
     """§20.1 values with overrides; Engram table rows follow the primes unless given explicitly (§8.2)."""
     overrides = dict(config_overrides or {})
@@ -148,20 +194,10 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, config_overrides: dict | None 
             shards.add(f"{p}.weight", packed.view(torch.int8))
             shards.add(f"{p}.scale", (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu))
         else:
-            shards.add(f"{p}.weight", (torch.randn(spec.out, spec.in_, generator=g) * std).to(torch.bfloat16))
+            shards.add(f"{p}.weight", _draw_bf16_linear(p, spec.out, spec.in_, seed))
     for name, spec in sorted(inv.tensors.items()):
-        g = _gen(seed, name)
-        if name == "embed.weight":
-            t = torch.randn(spec.shape, generator=g) * EMBED_RMS
-        elif len(spec.shape) == 2:  # hc_*_fn, Engram q/k weights: "other matrices gain 1"
-            t = torch.randn(spec.shape, generator=g) * spec.shape[1] ** -0.5
-        elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
-            key = next((k for k in _NORM_MEANS if name.endswith(f".{k}.weight")), None)
-            mean = _NORM_MEANS.get(key, 1.0)
-            t = mean * (1 + 0.1 * torch.randn(spec.shape, generator=g))
-        else:  # hc bases / scales, attn_sink, gate biases, vision biases, image_* vectors
-            t = 0.5 * torch.randn(spec.shape, generator=g)
-        shards.add(name, t.to(torch.bfloat16 if spec.dtype == "BF16" else torch.float32))
+        shards.add(name, _draw_tensor(name, spec.shape, seed).to(
+            torch.bfloat16 if spec.dtype == "BF16" else torch.float32))
     for p, spec in sorted(inv.tables.items()):
         rows = torch.randn(spec.rows, spec.width, generator=_gen(seed, p)) * ENGRAM_RMS
         w, s = quantize_fp8_blocks(rows, (1, 32))  # per-row 1x32 scales (weight-formats.md §6)
@@ -171,7 +207,9 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, config_overrides: dict | None 
     # config.json in the inference form the reference reads as ModelArgs(**config): only its keys (an unknown
     # key is a TypeError there); the FP8 block is its module constant 32. Greedy (temperature 0), because
     # the reference samples from its logits at any other temperature.
-    config = {k: v for k, v in dataclasses.asdict(cfg.replace(temperature=0.0)).items() if k != "extra"}
+    # (the V4 fields of ModelConfig are not ModelArgs keys of V4.1: left out)
+    config = {k: v for k, v in dataclasses.asdict(cfg.replace(temperature=0.0)).items()
+              if k != "extra" and k not in V4_ONLY_FIELDS}
     _atomic_json(config, out / "config.json")
     _atomic_json({"seed": seed, "overrides": config_overrides or {}}, out / TINY_MARKER)
     return out

@@ -243,6 +243,28 @@ def test_block_size_mismatch_with_config(tiny, tmp_path):  # weight-formats.md Â
                in p for p in probs)
 
 
+def _rchar() -> int:
+    return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_engram_rows_read_exactly_the_rows_bytes(tiny):
+    """The row reader reads each distinct row's bytes (a weight row and its scale row) and nothing else:
+    /proc/self/io's rchar counts the bytes every read syscall returned (a whole-table load, a mapped table's
+    read-around or a second read of a repeated row would all show)."""
+    ck = Checkpoint(tiny)
+    ck.engram_rows(1, [1, 2])  # first call: any lazy import's file reads happen here, not below
+    spec = ck.inventory.tables["layers.1.engram.embed"]
+    ids = torch.tensor([[3, 600, 3], [17, 600, 659]])
+    before = _rchar()
+    rows = ck.engram_rows(1, ids)
+    after = _rchar()
+    proc_read = _rchar() - after  # reading /proc/self/io counts too (~120 bytes; its digits may grow by one)
+    want = 4 * (spec.width + spec.width // 32)  # 4 distinct rows of 64 e4m3 bytes + 2 scale bytes
+    assert 0 <= (after - before - proc_read) - want <= 2, (after - before - proc_read, want)
+    assert torch.equal(rows, ck.load_table("layers.1.engram.embed")[ids])
+
+
 def test_engram_rows_must_match_primes(tiny, tmp_path):
     d = copy(tiny, tmp_path)
     cfg = json.loads((d / "config.json").read_text())

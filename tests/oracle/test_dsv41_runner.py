@@ -112,6 +112,7 @@ def test_provenance_identifies_checkpoint_panel_and_weights(tiny, uninterrupted)
     fresh = Checkpoint(tiny)
     src = rec.provenance.source
     assert src["checkpoint_hash"] == fresh.provenance_hash()  # the build's identity, before any read
+    assert rec.vocab_size() == json.loads((tiny / "config.json").read_text())["vocab_size"]
     n_tensors = len(fresh.tensor_names())
     assert src["tensors_read"] > 0 and src["weights_read_sha256"]
     assert rec.provenance.panel_hash.startswith("sha256:") and rec.provenance.tokenizer_hash == "pre-encoded"
@@ -363,3 +364,45 @@ def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_jso
 
     with pytest.raises(ReportError, match="own precision 'fp32'"):
         build_report(fp32, [("e", bf16)], tmp_path / "r2", n_boot=100, noise_floor=("same", fp32))
+
+
+def test_streamed_experts_give_the_same_record_holding_one_expert(tiny, panel_json, uninterrupted, tmp_path, monkeypatch):
+    """--stream-experts: each routed expert decoded when the MoE reaches it, its arrays reused for the next
+    one (one expert held instead of the layer's: 54 GB fp32 on the release). Same record, bit for bit; every
+    used expert decoded once per MoE call; three fp32 arrays (w1, w2, w3) allocated per layer, however many
+    experts it has."""
+    from oracle.dsv41 import runner as R
+
+    layers: list[R.StreamedExperts] = []
+    real = R.StreamedExperts.__init__
+
+    def keep(self, *a, **kw):
+        real(self, *a, **kw)
+        layers.append(self)
+
+    monkeypatch.setattr(R.StreamedExperts, "__init__", keep)
+    rec = run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "w", _opts(stream_experts=True))
+    assert_same_record(rec, uninterrupted)
+    cfg = Checkpoint(tiny).model_config
+    assert len(layers) == cfg.n_layers
+    assert all(s.pool.allocated == 3 for s in layers), [s.pool.allocated for s in layers]
+    assert all(0 < s.decoded <= cfg.n_routed_experts for s in layers)  # one MoE call per stage here
+    # forcing one MoE call per sequence: each call decodes its experts again, the record does not change
+    monkeypatch.setattr(R, "STREAM_GROUP_BYTES", 1)
+    layers.clear()
+    rec2 = run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "w2", _opts(stream_experts=True))
+    assert_same_record(rec2, uninterrupted)
+    assert sum(s.decoded for s in layers) > cfg.n_layers * cfg.n_routed_experts
+
+
+def test_row_read_engram_table_works_under_another_default_device(tiny):
+    """Under --device cuda the runner computes inside `torch.device("cuda")`; the row reader's index
+    arithmetic must stay on the CPU (it failed on the H200: searchsorted made a cuda index for a CPU table).
+    CI has no GPU: the meta device stands in as the default device, the same failure mode."""
+    from oracle.dsv41 import runner as R
+
+    ck = Checkpoint(tiny)
+    ids = torch.tensor([[5, 600, 5]])
+    with torch.device("meta"):
+        rows = R._EngramRows(ck, 1, "cpu")[ids]
+    assert rows.device.type == "cpu" and torch.equal(rows, ck.load_table("layers.1.engram.embed")[ids])

@@ -121,3 +121,60 @@ def test_cuda_without_a_gpu_is_refused(tiny, panel, tmp_path):
     r = oracle("run", "--checkpoint", str(tiny), "--panel", str(panel), "--out", str(tmp_path / "o.safetensors"),
                "--device", "cuda")
     assert r.exit_code == 2 and "sees no CUDA device" in r.output, r.output
+
+
+# The generic transformers oracle behind the same command, on the real SmolLM2 fp32 folder; the values are the
+# independently published engines.md §12.7 table (4 decimals), not numbers this code produced.
+SMOLLM2_CANARY = [504, 3575, 282, 4649, 314, 7042]   # "The capital of France is" + " Paris"
+PUBLISHED = {2: (282, -0.3376, 1), 5: (7042, -0.2581, 1)}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    from engine.models import ensure_smollm2
+
+    return ensure_smollm2().hf_dir
+
+
+def test_a_transformers_folder_runs_through_the_same_command(smollm2_dir, tmp_path):
+    from oracle.cli import detect_implementation
+
+    assert detect_implementation(smollm2_dir) == "transformers"
+    panel = tmp_path / "canary.json"
+    panel.write_text(json.dumps([SMOLLM2_CANARY]))
+    out = tmp_path / "smollm2.safetensors"
+    r = oracle("run", "--checkpoint", str(smollm2_dir), "--panel", str(panel), "--out", str(out), "--top-k", "20")
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}: 1 sequences, 5 scored positions (transformers fp32" in r.output
+    rec = Record.load(out)
+    assert rec.provenance.side == "oracle" and rec.provenance.extra["oracle"] == "oracle.hf" and rec.k == 20
+    for pos, (actual, logprob, rank) in PUBLISHED.items():
+        row = int(np.flatnonzero(rec.pos_index == pos)[0])
+        assert int(rec.token_ids[pos]) == actual
+        assert round(float(rec.actual_logprob[row]), 4) == logprob and int(rec.actual_rank[row]) == rank
+    assert not out.with_name(out.name + ".work").exists()   # per-sequence state removed after success
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--precision", "reference-bf16"], "--precision: DeepSeek-oracle options"),
+    (["--shard", "0/2"], "--shard: DeepSeek-oracle options"),
+    (["--implementation", "jax"], "--implementation 'jax': must be one of auto, deepseek, transformers"),
+])
+def test_transformers_folder_refuses_deepseek_only_options(smollm2_dir, tmp_path, args, message):
+    panel = tmp_path / "p.json"
+    panel.write_text(json.dumps([SMOLLM2_CANARY]))
+    r = oracle("run", "--checkpoint", str(smollm2_dir), "--panel", str(panel), "--out", str(tmp_path / "o"), *args)
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_implementation_detection(tiny, tmp_path):
+    from oracle.cli import detect_implementation
+
+    assert detect_implementation(tiny) == "deepseek"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "hidden_size": 8}))
+    assert detect_implementation(tmp_path) == "deepseek"
+    (tmp_path / "config.json").write_text("[1, 2]")
+    r = oracle("run", "--checkpoint", str(tmp_path), "--panel", "x.json", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2 and "config.json: the model config must be a JSON object" in r.output
+    r = oracle("run", "--checkpoint", str(tmp_path / "none"), "--panel", "x.json", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2 and "no config.json" in r.output

@@ -6,6 +6,7 @@ Reference values are the independently published §12.7 table (4 decimals), not 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -103,6 +104,9 @@ def test_provenance_names_the_weights(canary_record, hf_dir):
     assert src["model_dir"] == str(hf_dir.resolve())
     assert canary_record.provenance.panel_hash == "a" * 64 and canary_record.provenance.tokenizer_hash == "b" * 64
     assert canary_record.provenance.extra["log_softmax_dtype"] == "float64"
+    # the vocabulary travels with the record (config.json's vocab_size, read here independently), so a loaded
+    # record with an id outside it is refused
+    assert canary_record.vocab_size() == json.loads((hf_dir / "config.json").read_text())["vocab_size"]
 
 
 def test_checkpoints_resume_and_ignore_stale(hf_dir, oracle, tmp_path):

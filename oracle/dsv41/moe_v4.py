@@ -1,0 +1,95 @@
+"""DeepSeek-V4 MoE (dsv4-engine.md §5 "router"): the V4.1 experts (moe.expert) behind the V4 router.
+
+* The first `num_hash_layers` layers are hash-routed: the experts are `tid2eid[token id]` ([V, k] ints in
+  the checkpoint), the gate has no bias; the weights are still the scores of those experts.
+* Later layers select top-k of score + bias (the bias picks, it does not weight), as in V4.1.
+* Weights are divided by their sum (no 1e-20; V4 has no norm_topk_prob switch) unless the scores are a
+  softmax, then multiplied by route_scale. No gate_temp, no bias_vl (no vision path).
+* Experts take fp8 inputs QDQ'd per 128 channels (attention_v4.V4_ACT_BLOCK).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention_v4 import V4_ACT_BLOCK
+from .config import ModelConfig
+from .moe import expert
+from .numerics import Numerics
+from .weights import need
+
+
+def scores_v4(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig, num: Numerics) -> torch.Tensor:
+    """Router scores [n, E] from an fp32 linear (fp32 copy of the bf16 gate, no act QDQ)."""
+    s = num.fp32_linear(x, weight)
+    if cfg.score_func == "sqrtsoftplus":
+        return num.f32(lambda t: F.softplus(t).sqrt(), s)
+    if cfg.score_func == "sigmoid":
+        return num.f32(torch.sigmoid, s)
+    if cfg.score_func == "softmax":
+        return num.f32(lambda t: t.softmax(dim=-1), s)
+    raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
+
+
+def route_v4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+             ids: torch.Tensor | None, k: int, cfg: ModelConfig, num: Numerics, site: str = "router"):
+    """x [n, d], ids [n] -> (weights [n, k], expert indices [n, k])."""
+    s = scores_v4(x, weight, cfg, num)
+    if tid2eid is not None:
+        if ids is None or ids.numel() != x.shape[0]:
+            raise ValueError(f"{site}: a hash-routed layer needs the token id of each of its {x.shape[0]} rows")
+        idx = tid2eid[ids.reshape(-1).to(tid2eid.device)]
+    else:
+        _, idx = num.topk(s + bias, k, site)
+    wts = s.gather(1, idx)
+    if cfg.score_func != "softmax":
+        wts = wts / num.sum(wts, -1, keepdim=True)
+    return wts * cfg.route_scale, idx
+
+
+class MoEV4:
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        self.cfg, self.layer_id = cfg, layer_id
+        self.n_experts, self.k = cfg.n_routed_experts, cfg.n_activated_experts
+        self.hash = cfg.is_hash_layer(layer_id)
+
+    def load(self, w: dict, prefix: str) -> "MoEV4":
+        p = prefix + "ffn."
+        self.gate = need(w, p + "gate.weight")
+        if self.gate.shape[0] != self.n_experts:
+            raise ValueError(f"{p}gate.weight has {self.gate.shape[0]} rows, config says {self.n_experts} experts")
+        if self.hash:
+            t = need(w, p + "gate.tid2eid")
+            if t.shape != (self.cfg.vocab_size, self.k):
+                raise ValueError(f"{p}gate.tid2eid has shape {tuple(t.shape)}, expected "
+                                 f"{(self.cfg.vocab_size, self.k)}")
+            self.tid2eid, self.bias = t.long(), None  # the loader hands every tensor over as fp32 (exact here)
+            if int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= self.n_experts:
+                raise ValueError(f"{p}gate.tid2eid names experts outside 0..{self.n_experts - 1}")
+        else:
+            self.tid2eid, self.bias = None, need(w, p + "gate.bias")
+        self.w, self.prefix = w, p
+        self.shared = tuple(need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
+        return self
+
+    def expert_weights(self, e: int):
+        return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
+
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        wts, idx = route_v4(x, self.gate, self.bias, self.tid2eid, input_ids, self.k, self.cfg, num,
+                            f"router.{self.layer_id}")
+        y = torch.zeros_like(x)
+        lim = self.cfg.swiglu_limit
+        # fp8 inputs per 128 channels; an FP4 expert's kernel scales its weight per 32 along K
+        kw_routed = dict(block=V4_ACT_BLOCK, gemm_block=32 if self.cfg.expert_dtype == "fp4" else None,
+                         fmt=self.cfg.scale_fmt)
+        for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
+            rows, slot = torch.where(idx == e)
+            w1, w2, w3 = self.expert_weights(e)
+            y[rows] += expert(x[rows], w1, w2, w3, lim, num, wts[rows, slot, None], **kw_routed)
+        y = y + expert(x, *self.shared, lim, num, block=V4_ACT_BLOCK, fmt=self.cfg.scale_fmt)
+        return num.r(y).reshape(shape)
