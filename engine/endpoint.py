@@ -152,8 +152,10 @@ def score_engine(endpoint: EngineEndpoint, encoded, k: int = DEFAULT_ENGINE_K, s
 
 
 def model_vocab_size(model_dir: str | os.PathLike) -> int:
-    """The served model's vocabulary (its config.json), so adapters can ask for the full distribution."""
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    """The served model's vocabulary (its config.json; a vision-language model's text_config), so adapters can
+    ask for the full distribution."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg["vocab_size"] if "vocab_size" in cfg else cfg["text_config"]["vocab_size"])
 
 
 def endpoint_for_server(server, profile, model_dir: str | os.PathLike, flags=()) -> EngineEndpoint:

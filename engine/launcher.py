@@ -24,7 +24,9 @@ Placeholders ``{name}`` in command, args, env values, health_url and log_file ar
 (only the ones used are computed): ``vllm_python``, ``llama_python`` (engine venvs under the cache,
 which must have been set up), ``llama_server`` (the C++ binary built under the cache by
 scripts/setup-llama-server.sh), ``model_hf_dir``, ``gguf_f32``, ``gguf_q4_1``, ``tokenizer_json``
-(``engine.models.ensure_smollm2()``), ``port``, ``host``, ``cache``, ``profile``, ``profile_dir``
+(``engine.models.ensure_smollm2()``), ``dsv4_tiny_dir`` (the tiny DeepSeek-V4 checkpoint,
+``engine.dsv4_model.ensure_dsv4_tiny()``; ``dsv4_tiny_bf16_dir`` its unquantized form), ``vlm_hf_dir`` (the tiny VLM,
+``engine.vlm.ensure_tiny_vlm()``), ``port``, ``host``, ``cache``, ``profile``, ``profile_dir``
 (the TOML's folder), ``python`` (this interpreter), ``repo`` and ``stamp``. An unknown name is an
 error naming the profile and the field. Text in braces that is not a bare name (JSON, say) is
 left alone.
@@ -264,6 +266,24 @@ def _model_path(attr: str) -> Callable[[], str]:
     return get
 
 
+def _dsv4_tiny_dir() -> str:
+    from engine.dsv4_model import ensure_dsv4_tiny
+
+    return str(ensure_dsv4_tiny())
+
+
+def _dsv4_tiny_bf16_dir() -> str:
+    from engine.dsv4_model import ensure_dsv4_tiny_bf16
+
+    return str(ensure_dsv4_tiny_bf16())
+
+
+def _vlm_dir() -> str:
+    from engine.vlm import ensure_tiny_vlm
+
+    return str(ensure_tiny_vlm())
+
+
 def default_providers() -> dict[str, Callable[[], str]]:
     """Placeholder name -> function computing its value (called only when the name is used)."""
     return {
@@ -274,6 +294,9 @@ def default_providers() -> dict[str, Callable[[], str]]:
         "gguf_f32": _model_path("gguf_f32"),
         "gguf_q4_1": _model_path("gguf_q4_1"),
         "tokenizer_json": _model_path("tokenizer_json"),
+        "dsv4_tiny_dir": _dsv4_tiny_dir,
+        "dsv4_tiny_bf16_dir": _dsv4_tiny_bf16_dir,
+        "vlm_hf_dir": _vlm_dir,
         "cache": lambda: str(_cache()),
         "python": lambda: sys.executable,
         "repo": lambda: str(REPO_ROOT),

@@ -164,6 +164,11 @@ def _withheld_partial_token(data: Any, n_prompt: int) -> int | None:
 class LlamaServerAdapter:
     name = "llama-server"
     keyed_by = "id"
+    # llama-server folds the tokens of one incomplete UTF-8 character (byte-fallback tokens of an emoji) into
+    # ONE completion_probabilities entry (seen: 40 tokens predicted, 14 entries, tokens [10813, 232, 118] -> one
+    # '🎨' entry), so per-token logprobs of such a continuation do not exist; callers that need only the ids
+    # (task evals) ask with k = ids_only_k and read the server's `tokens` list instead
+    ids_only_k = 0
 
     def __init__(self, vocab_size: int | None = None, check_model_name: bool = True, reuse_prefix: bool = True,
                  wide_k: int = 1024):
@@ -269,6 +274,18 @@ class LlamaServerAdapter:
                 "return_tokens": True, "post_sampling_probs": False}
         reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
         data = reply.data
+        if k == 0:   # ids only: the generated ids as the server lists them, no per-position logprobs
+            try:
+                n = need(data, "tokens_predicted", int, "response", seq_id=seq_id)
+                ids = need(data, "tokens", list, "response", seq_id=seq_id)
+                if len(ids) != n or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise EngineResponseError(Malformed.LENGTH_MISMATCH, f"tokens lists {len(ids)} entries for "
+                                              f"tokens_predicted {n}, or a non-integer id", seq_id, len(prompt))
+            except EngineResponseError as exc:
+                raise exc.at(seq_id, reply.url) from None
+            return Generation(seq_id, tuple(prompt), tuple(ids), (), 0, "llama-server.completion",
+                              data.get("content") or "", data.get("stop_type"), len(prompt), None,
+                              HttpTiming(1, reply.elapsed_s))
         try:
             n = need(data, "tokens_predicted", int, "response", seq_id=seq_id)
             got = parse_completion_probs(data, len(prompt), n, k, self._model(transport), seq_id, self.vocab_size,

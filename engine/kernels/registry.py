@@ -8,18 +8,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.errors import UserError
 from core.tomlfile import read_toml
 
 FORMAT = "ds41-kernel-registry/1"
 DEVICES = ("cpu", "gpu-only")
 STATUSES = ("active", "unbound")
 SHAPES = ("tiny", "production")
-PERTURBATIONS = ("ulp+1", "ulp+2")
+PERTURBATIONS = ("ulp+1", "ulp+2", "ulp+3")
 DEFAULT_PATH = Path(__file__).with_name("registry.toml")
 
 
-class RegistryError(ValueError):
-    pass
+class RegistryError(UserError, ValueError):
+    """The kernel registry file is malformed, or names a kernel / case / tolerance that does not exist."""
 
 
 @dataclass(frozen=True)

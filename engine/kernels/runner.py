@@ -134,6 +134,18 @@ def resolve(target: str):
     return obj
 
 
+def _v4_kernel_availability() -> tuple[dict, list[str]]:
+    """The CPU features and the DeepSeek-V4 CPU kernels the loaded vLLM extension lacks (the probe's own
+    functions: vllm/_C has them and loads only on AVX512-BF16 CPUs; _C_AVX2 / _C_AVX512 do not)."""
+    from engine.vllm_dsv4.probe import V4_CPU_OPS, cpu_features, missing_v4_ops
+
+    try:
+        missing = missing_v4_ops()
+    except Exception:  # noqa: BLE001 - then every op counts as missing, and the cases' own errors say why
+        missing = list(V4_CPU_OPS)
+    return cpu_features(), missing
+
+
 def run(request: dict) -> dict:
     inputs = load_file(request["inputs"])
     outputs, report = {}, {"cases": {}, "python": sys.version.split()[0], "torch": torch.__version__,
@@ -165,6 +177,7 @@ def run(request: dict) -> dict:
             rec["error"] = f"{type(e).__name__}: {e}"
             rec["traceback"] = traceback.format_exc(limit=6)
         report["cases"][cid] = rec
+    report["cpu"], report["missing_ops"] = _v4_kernel_availability()
     save_file(outputs, request["outputs"])
     with open(request["report"], "w") as f:
         json.dump(report, f, indent=1)

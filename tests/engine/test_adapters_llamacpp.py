@@ -266,6 +266,43 @@ def test_llama_server_generation_has_ids(llama_server):
 
 
 @pytest.mark.engine
+def test_llama_server_ids_only_generation_gives_the_same_ids(llama_server):
+    with_probs = llama_server.generate(CANARY, 12, 1, seq_id="ids-k1")
+    ids_only = llama_server.generate(CANARY, 12, LlamaServerAdapter.ids_only_k, seq_id="ids-k0")
+    assert ids_only.token_ids == with_probs.token_ids and len(ids_only.token_ids) == 12
+    assert ids_only.positions == () and ids_only.k == 0
+
+
+class _Reply:
+    """The shape llama-server 0.3.36 answered with for IFEval prompt 1217 on Q4_1 (seen in the full eval run):
+    three byte-fallback tokens of one emoji folded into ONE completion_probabilities entry."""
+
+    def __init__(self):
+        self.data = {"tokens_predicted": 3, "tokens_evaluated": 4, "tokens": [10813, 232, 118], "content": "🎨",
+                     "stop_type": "limit", "model": "smollm2",
+                     "completion_probabilities": [{"id": 118, "token": "🎨", "logprob": -0.1, "bytes": [240, 159, 142, 168],
+                                                   "top_logprobs": [{"id": 118, "token": "🎨", "logprob": -0.1}]}]}
+        self.url, self.elapsed_s = "http://fake/completion", 0.01
+
+
+class _OneReply:
+    model = "smollm2"
+
+    def post_json(self, path, body, *, seq_id=None):
+        return _Reply()
+
+
+def test_folded_utf8_tokens_are_a_named_mismatch_with_logprobs_and_fine_ids_only():
+    from engine.errors import EngineResponseError
+
+    adapter = LlamaServerAdapter(vocab_size=VOCAB_SMOLLM2, check_model_name=False)
+    with pytest.raises(EngineResponseError, match="completion_probabilities has 1 entries, expected 3"):
+        adapter.generate(_OneReply(), "emoji", [1, 2, 3, 4], 3, 1)
+    got = adapter.generate(_OneReply(), "emoji", [1, 2, 3, 4], 3, adapter.ids_only_k)
+    assert got.token_ids == (10813, 232, 118) and got.text == "🎨" and got.positions == ()
+
+
+@pytest.mark.engine
 def test_llama_server_panel_record_every_position_scored(llama_server):
     """A real panel sequence: every position scored with ids (no ambiguity exists), values on the fp32
     reference's within llama.cpp's F32 tolerance."""

@@ -27,6 +27,11 @@ def server(request):
     if url:
         yield url.rstrip("/"), None
         return
+    if request.config.getoption("--engine-profile") in (None, "vllm-cpu-fp32"):
+        # the session's vllm-cpu-fp32 server (the plugin's engine_endpoint), shared with the evals tests and
+        # the gate suite: one launch fewer in CI
+        yield request.getfixturevalue("engine_endpoint").base_url, None
+        return
     from engine.launcher import EngineServer, load_profile
 
     with EngineServer(load_profile("vllm-cpu-fp32")) as srv:
