@@ -49,6 +49,9 @@ SUB_APPS = [
     ("nightly.cli", "flags_app", "flags"),
     ("nightly.cli", "nightly_app", "nightly"),
     ("ds41gates.demo", "demo_app", "demo"),
+    ("ds41gates.evals", "eval_app", "eval"),
+    ("ds41gates.evals", "eval_compare_app", "eval-compare"),
+    ("ds41gates.evals", "ifeval_panel_app", "ifeval-panel"),
 ]
 
 for module_name, attr, name in SUB_APPS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +19,58 @@ from engine.models import default_model_dir
 
 DEFAULT_PANEL = "default"
 ORACLE_TOP_K = 256
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a profile that does not serve the embedded SmolLM2 serves, and what it is gated on: the model
+    folder (built on demand), the panel and the tokenizer spec its panel is encoded with, and the oracle that
+    writes its fp32 reference."""
+
+    model: str        # key of MODEL_BUILDERS
+    panel: str
+    tokenizer: str    # panels.load_tokenizer spec
+    oracle: str       # "deepseek": oracle/dsv41 (its V4 mode, fp32); "transformers": oracle/hf.py
+
+
+# The tiny DeepSeek-V4 checkpoint on vLLM CPU's DeepSeek-V4 path: the dsv4-ci panel in the DeepSeek chat
+# encoding, referenced by the DeepSeek oracle's V4 mode in fp32 (transformers' DeepseekV4 is the second
+# opinion beside it in the report, docs/ORACLE.md).
+SERVED_MODELS: dict[str, ServedModel] = {
+    "vllm-cpu-dsv4": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
+}
+
+
+def _dsv4_tiny() -> Path:
+    from engine.dsv4_model import ensure_dsv4_tiny
+
+    return Path(ensure_dsv4_tiny())
+
+
+MODEL_BUILDERS = {"dsv4-tiny": _dsv4_tiny}
+
+
+def served_model(profile: str | None) -> ServedModel | None:
+    """The profile's own model, or None for the profiles that serve the embedded default (SmolLM2)."""
+    return SERVED_MODELS.get(profile or "")
+
+
+def profile_model_dir(profile: str | None) -> Path:
+    """The model folder the profile serves (the embedded default unless SERVED_MODELS names another)."""
+    sm = served_model(profile)
+    return MODEL_BUILDERS[sm.model]() if sm is not None else default_model_dir()
+
+
+def encode_profile_panel(profile: str | None, panel: str | None = None):
+    """The panel a profile is gated on, encoded as its model reads it -> (EncodedPanel, model folder, oracle)."""
+    from panels import encode_panel, load_panel, load_tokenizer
+
+    sm = served_model(profile)
+    if sm is None:
+        model_dir = default_model_dir()
+        return encode_default_panel(panel or DEFAULT_PANEL, model_dir), model_dir, "transformers"
+    return (encode_panel(load_panel(panel or sm.panel), load_tokenizer(sm.tokenizer)), profile_model_dir(profile),
+            sm.oracle)
 
 
 def _echo(msg: str) -> None:
@@ -44,11 +97,17 @@ def reference_path(encoded, model_hash: str, top_k: int = ORACLE_TOP_K) -> Path:
     return cache_dir() / "references" / name
 
 
-def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K) -> tuple[Record, Path]:
-    """Load the cached fp32 reference for (panel, tokenizer, model), or build it (resumably) and cache it."""
+def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
+                     oracle: str = "transformers") -> tuple[Record, Path]:
+    """Load the cached fp32 reference for (panel, tokenizer, model), or build it (resumably) and cache it.
+    `oracle`: "transformers" (oracle/hf.py) or "deepseek" (the layer-streamed DeepSeek oracle, oracle/dsv41)."""
     from oracle.hf import model_hash, score_panel_hf
 
+    if oracle not in ("transformers", "deepseek"):
+        raise ValueError(f"oracle {oracle!r}: expected 'transformers' or 'deepseek'")
     path = reference_path(encoded, model_hash(model_dir), top_k)
+    if oracle == "deepseek":
+        path = path.with_name(path.stem + "-deepseek.safetensors")
     if path.exists():
         try:
             ref = Record.load(path)
@@ -63,7 +122,18 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K) -> tup
           f"({len(encoded.sequences)} sequences) …")
     partial = path.with_suffix(".partial.d")  # per-sequence checkpoints: a killed run resumes here
     # one thread: on a shared 2-core box two threads were 14x slower than one (docs/RELIABILITY.md)
-    ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False, threads=1)
+    if oracle == "deepseek":
+        from oracle.dsv41.checkpoint import Checkpoint
+        from oracle.dsv41.runner import RunOptions, run_panel
+
+        ref = run_panel(Checkpoint(model_dir), encoded, partial,
+                        RunOptions(precision="fp32", threads=1, top_k=top_k, progress=False))
+        import shutil
+
+        ref.save(path)
+        shutil.rmtree(partial, ignore_errors=True)  # layer activations: only for resuming an interrupted run
+    else:
+        ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False, threads=1)
     ref.save(path)
     _echo(f"oracle reference written: {path}")
     return ref, path

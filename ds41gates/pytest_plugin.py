@@ -22,6 +22,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--panel", default=None, help="panel name[@version] (default: the gate config's panel)")
     group.addoption("--flag", action="append", default=[], help="VLLM_DS41_* flag to A/B (repeatable)")
     group.addoption("--results", default=None, help="directory for this run's results and report")
+    group.addoption("--eval-baseline", default=None,
+                    help="results folder of a known-good task-eval run (gates/test_task_evals.py pairs against it)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -163,6 +165,18 @@ def gate_results(gate_run: GateRun) -> GateRun:
 
 
 @pytest.fixture(scope="session")
+def gate_tokenizer(request: pytest.FixtureRequest):
+    """The served model's tokenizer and chat format — the profile's own model (the DeepSeek tokenizer and chat
+    encoding for vllm-cpu-dsv4), else SmolLM2's: the ids the engine-behaviour gates send."""
+    from ds41gates.pipeline import served_model
+    from engine.models import default_model_dir
+    from panels import load_tokenizer
+
+    sm = served_model(_opt(request.config, "--engine-profile"))
+    return load_tokenizer(sm.tokenizer) if sm is not None else load_tokenizer(default_model_dir())
+
+
+@pytest.fixture(scope="session")
 def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
     """The oracle reference record: --reference FILE, or the default panel on the default model."""
     from ds41gates import pipeline
@@ -179,11 +193,12 @@ def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
                                  "an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
         url = _opt(request.config, "--engine-url")
-        if url:
+        profile = _opt(request.config, "--engine-profile")
+        if url and pipeline.served_model(profile) is None:
             _require_default_model(request.config, url)   # before minutes of building a reference
-        model_dir = pipeline.default_model_dir()
-        encoded = pipeline.encode_default_panel(_opt(request.config, "--panel") or pipeline.DEFAULT_PANEL, model_dir)
-        ref, _ = pipeline.ensure_reference(encoded, model_dir)
+        # the profile's own model and panel (the tiny DeepSeek-V4 on vllm-cpu-dsv4), else the embedded default
+        encoded, model_dir, oracle = pipeline.encode_profile_panel(profile, _opt(request.config, "--panel"))
+        ref, _ = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
     gate_run.reference = ref
     return ref
 
@@ -303,12 +318,13 @@ def _require_default_model(config: pytest.Config, url: str, models: list[str] | 
 
 
 def launch_endpoint(profile_name: str, flags=(), overrides=None):
-    """Start a server from a shipped profile (they all serve the embedded default model)."""
+    """Start a server from a shipped profile: the embedded default model, or the profile's own
+    (ds41gates.pipeline.SERVED_MODELS)."""
+    from ds41gates import pipeline
     from engine import endpoint
-    from engine.models import default_model_dir
 
-    return endpoint.launch_endpoint(profile_name, default_model_dir(), flags=flags, overrides=overrides,
-                                    echo=_launcher_echo)
+    return endpoint.launch_endpoint(profile_name, pipeline.profile_model_dir(profile_name), flags=flags,
+                                    overrides=overrides, echo=_launcher_echo)
 
 
 @pytest.fixture(scope="session")
@@ -335,7 +351,9 @@ def engine_endpoint(request: pytest.FixtureRequest):
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         models = _served_models(url, root, headers)
-        if not _opt(request.config, "--reference"):
+        from ds41gates.pipeline import served_model
+
+        if not _opt(request.config, "--reference") and served_model(profile) is None:
             _require_default_model(request.config, url, models)
         kind = "vllm"
         if profile:
@@ -405,7 +423,9 @@ def _note_gate_outcome(item: pytest.Item, call, report) -> None:
     prev = run.outcomes.get(item.nodeid)
     if report.when == "teardown" and (report.passed or (prev and prev["outcome"] != "passed")):
         return   # a clean teardown, or one after a failure/error already recorded, changes nothing
-    if report.skipped:
+    if hasattr(report, "wasxfail"):
+        outcome = "xfailed"      # expected: the gate says why it cannot apply here (its detail)
+    elif report.skipped:
         outcome = "skipped"
     elif report.passed:
         outcome = "passed"
@@ -415,7 +435,7 @@ def _note_gate_outcome(item: pytest.Item, call, report) -> None:
     else:
         outcome = "error"
     detail = None
-    if outcome in ("error", "failed", "skipped") and call.excinfo is not None:
+    if outcome in ("error", "failed", "skipped", "xfailed") and call.excinfo is not None:
         detail = f"{call.excinfo.typename}: {str(call.excinfo.value)[:800]}"
     run.mark(item.nodeid, {"gate": item.name, "outcome": outcome, "phase": report.when, "detail": detail})
 

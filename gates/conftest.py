@@ -1,8 +1,9 @@
 """Fixtures shared by the engine-behaviour gates (gates.md §4–§9): sizes, tokenizer, server facts, timings.
 
 The engine under test is the plugin's session ``engine_endpoint`` / ``engine_client`` (one server for
-every gate, or ``--engine-url``). Sizes come from gates/config.toml (CI) or the file named by
-DS41_GATES_CONFIG (e.g. gates/config-production.toml), whose tables replace the CI keys one by one.
+every gate, or ``--engine-url``). Sizes come from gates/config.toml (CI) with, over it, the file named by
+DS41_GATES_CONFIG (e.g. gates/config-production.toml) or else the profile's own gates/config-<profile>.toml;
+an override's tables replace the CI keys one by one.
 """
 
 from __future__ import annotations
@@ -77,18 +78,20 @@ def load_gate_config(override: str | os.PathLike | None = None) -> dict[str, dic
     return cfg
 
 
-@pytest.fixture(scope="session")
-def gate_config() -> dict[str, dict[str, Any]]:
-    return load_gate_config()
+def profile_config(profile: str | None) -> Path | None:
+    """gates/config-<profile>.toml: a profile's own CI sizes (the slow DeepSeek-V4 CPU engine's), if it has one."""
+    path = CONFIG.with_name(f"config-{profile}.toml") if profile else None
+    return path if path is not None and path.is_file() else None
 
 
 @pytest.fixture(scope="session")
-def gate_tokenizer():
-    """The served model's tokenizer and chat format (SmolLM2's by default: the ids the gates send)."""
-    from engine.models import default_model_dir
-    from panels import load_tokenizer
-
-    return load_tokenizer(default_model_dir())
+def gate_config(request) -> dict[str, dict[str, Any]]:
+    """DS41_GATES_CONFIG when set, else the profile's own gates/config-<profile>.toml when it has one, over
+    gates/config.toml; the file used is printed, so a run says which sizes it gated at."""
+    own = None if os.environ.get("DS41_GATES_CONFIG") else profile_config(request.config.getoption("--engine-profile"))
+    if own is not None:
+        print(f"\ngate sizes: {CONFIG.name} with {own.name} over it (the profile's own)")
+    return load_gate_config(own)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,10 @@ def _subjects(cfg, tok):
 def _companion(tok, n_tokens: int, seed: int):
     from panels.bench import prefill_prompt
 
-    return tuple(int(t) for t in prefill_prompt(tok, n_tokens, salt=f"batchcomp{seed:04d}").token_ids)
+    # the companion opens with a system turn; a tokenizer without a system-turn marker (DeepSeek-V4's has no
+    # <｜System｜>) gets the raw form (salt right after BOS): a companion only has to be long and different
+    chat = not tok.missing_markers()
+    return tuple(int(t) for t in prefill_prompt(tok, n_tokens, salt=f"batchcomp{seed:04d}", chat=chat).token_ids)
 
 
 @pytest.fixture(scope="module")

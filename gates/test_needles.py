@@ -85,7 +85,7 @@ def _heatmap_png(cells, path):
 def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
     r = needle_runs
     cfg = gate_config["needles"]
-    res = needles.judge(r["cells"], r["burst"])
+    res = needles.judge(r["cells"], r["burst"], gate_found=cfg["gate_found"])
     png = gate_results.out_dir / "needles_heatmap.png"
     _heatmap_png(r["cells"] + r["report_only"], png)
     extra_rows = [{**c.as_row(), "gated": False} for c in r["report_only"]]

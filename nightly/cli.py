@@ -7,8 +7,8 @@
     ds41gate flags check PROFILE [--flag NAME ...]     # refuse unknown / test-only VLLM_DS41_* (exit 1)
 
 `nightly` exits 0 when all green, 1 on a regression against the last green baseline (each named on stderr and
-in nightly.md), 2 on failures without a green baseline (first run, new gates) or a cell that could not run,
-3 on a bad config. `flags` lists the registry with each flag's last verdict (history DB, else a results.json).
+in nightly.md), 2 on a bad config (like every user error), 3 on failures without a green baseline (first run,
+new gates) or a cell that could not run. `flags` lists the registry with each flag's last verdict (history DB, else a results.json).
 docs/NIGHTLY.md.
 """
 
@@ -27,12 +27,12 @@ from nightly.flags import CLASSES, FlagRegistryError, Registry, check_profile, l
 
 DEFAULT_DB = Path("nightly") / "history.sqlite"
 DEFAULT_OUT = Path("nightly") / "runs"
-EXIT_CONFIG = 3
+EXIT_CONFIG = 2  # every user error of the harness exits 2 (core.errors)
 
 flags_app = typer.Typer(help="The flag registry (gates.md §10.7) and each flag's last A/B verdict.",
                         invoke_without_command=True, add_completion=False)
 
-RegistryOpt = typer.Option(None, "--registry", "-r", help="extra registry TOML merged over nightly/flags.toml (repeatable)")
+RegistryOpt = typer.Option(None, "--registry", "--flag-registry", "-r", help="extra registry TOML merged over nightly/flags.toml (repeatable)")
 
 
 def _registry(paths: Optional[List[Path]]) -> Registry:

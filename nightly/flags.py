@@ -33,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from core.errors import UserError
 from core.tomlfile import read_toml
 
 DEFAULT_REGISTRY = Path(__file__).resolve().parent / "flags.toml"
@@ -63,7 +65,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-class FlagRegistryError(ValueError):
+class FlagRegistryError(UserError, ValueError):
     """A registry file is malformed, or a flag / value is unknown or not allowed."""
 
 
@@ -75,6 +77,9 @@ class Thresholds:
     band_profile: str = ""
     speed_tolerance: float = 0.10
     require_speedup: bool = False
+    # the vision tower gate (core.metrics.tower): limit = max(factor x the reference-bf16 floor, abs floor)
+    tower_floor_factor: float = 1.0
+    tower_abs_floor: float = 0.0
 
     @classmethod
     def from_table(cls, data: Mapping[str, Any], where: str, base: "Thresholds | None" = None) -> "Thresholds":
@@ -87,14 +92,19 @@ class Thresholds:
         for key, value in data.items():
             want = type(getattr(base, key))
             if want is float:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise FlagRegistryError(f"{where}: threshold {key!r} must be a number >= 0, got {value!r}")
+                if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                        or value < 0):
+                    raise FlagRegistryError(f"{where}: threshold {key!r} must be a finite number >= 0, got {value!r}")
                 value = float(value)
             elif not isinstance(value, want):
                 raise FlagRegistryError(f"{where}: threshold {key!r} must be {want.__name__}, got {value!r}")
             changes[key] = value
         if "alpha" in changes and not 0 < changes["alpha"] < 1:
             raise FlagRegistryError(f"{where}: threshold 'alpha' must lie in (0, 1), got {changes['alpha']!r}")
+        if "speed_tolerance" in changes and not changes["speed_tolerance"] < 1:
+            # a tolerance of 1 or more lets a flag make the engine arbitrarily slow and still pass
+            raise FlagRegistryError(f"{where}: threshold 'speed_tolerance' must lie in [0, 1), "
+                                    f"got {changes['speed_tolerance']!r}")
         return dataclasses.replace(base, **changes)
 
 

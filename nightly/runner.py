@@ -69,7 +69,7 @@ from nightly.trends import plot_trends
 REPO_ROOT = repo_root()
 PER_PROMPT_FORMAT = "ds41-per-prompt/1"
 DEFAULT_GATES = ("gates/test_kl_panel.py", "gates/test_flag_ab.py")
-EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 2
+EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 3
 
 
 class NightlyConfigError(UserError, ValueError):
@@ -125,6 +125,13 @@ def cell_name(profile: str, flags: Sequence[str]) -> str:
     return "+".join([stem, *flags])
 
 
+def _number(value: Any, where: str, allowed: str, ok) -> float:
+    """A finite TOML number that passes ``ok``, else a NightlyConfigError naming the key and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise NightlyConfigError(f"{where} must be {allowed}, got {value!r}")
+    return float(value)
+
+
 def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path | None = None) -> NightlyConfig:
     """A NightlyConfig from parsed TOML (pure apart from resolving profile paths against base_dir)."""
     base = base_dir or Path(path).resolve().parent
@@ -136,22 +143,30 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
     if set(top) - allowed:
         raise NightlyConfigError(f"{path}: unknown [nightly] key(s) {sorted(set(top) - allowed)}")
     name = top.get("name", Path(path).stem)
+    if not isinstance(name, str) or not name.strip():
+        raise NightlyConfigError(f"{path}: nightly.name must be a non-empty string, got {name!r}")
     gates = _strs(top.get("gates", list(DEFAULT_GATES)), f"{path}: nightly.gates")
     registry = _strs(top.get("registry", []), f"{path}: nightly.registry")
     pytest_args = _strs(top.get("pytest_args", []), f"{path}: nightly.pytest_args")
-    timeout = top.get("cell_timeout_s", 3600)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise NightlyConfigError(f"{path}: nightly.cell_timeout_s must be a positive number")
+    timeout = _number(top.get("cell_timeout_s", 3600), f"{path}: nightly.cell_timeout_s", "a number > 0",
+                      lambda v: v > 0)
     reg = top.get("regression", {})
-    if set(reg) - {"margin_rel", "floor_abs", "alpha", "n_boot"}:
-        raise NightlyConfigError(f"{path}: unknown [nightly.regression] key(s) {sorted(set(reg))}")
-    try:
-        rule = RegressionRule(**{k: (int(v) if k == "n_boot" else float(v)) for k, v in reg.items()})
-    except (TypeError, ValueError) as exc:
-        raise NightlyConfigError(f"{path}: [nightly.regression]: {exc}") from None
-    if not 0 < rule.alpha < 1 or rule.margin_rel < 0 or rule.floor_abs < 0 or rule.n_boot < 100:
-        raise NightlyConfigError(f"{path}: [nightly.regression] needs 0<alpha<1, margin_rel>=0, floor_abs>=0, "
-                                 f"n_boot>=100; got {rule}")
+    if not isinstance(reg, Mapping):
+        raise NightlyConfigError(f"{path}: [nightly.regression] must be a table, got {reg!r}")
+    known_rule = {"margin_rel", "floor_abs", "alpha", "n_boot"}
+    if set(reg) - known_rule:
+        raise NightlyConfigError(f"{path}: unknown [nightly.regression] key(s) {sorted(set(reg) - known_rule)}; "
+                                 f"known: {sorted(known_rule)}")
+    where = f"{path}: nightly.regression"
+    checks = {"margin_rel": ("a number >= 0", lambda v: v >= 0), "floor_abs": ("a number >= 0", lambda v: v >= 0),
+              "alpha": ("a number in (0, 1)", lambda v: 0 < v < 1)}
+    values: dict[str, Any] = {k: _number(reg[k], f"{where}.{k}", *checks[k]) for k in checks if k in reg}
+    if "n_boot" in reg:
+        n_boot = reg["n_boot"]
+        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
+            raise NightlyConfigError(f"{where}.n_boot must be an integer >= 100, got {n_boot!r}")
+        values["n_boot"] = n_boot
+    rule = RegressionRule(**values)
     cells: list[Cell] = []
     matrix = data.get("matrix")
     if matrix is not None:

@@ -16,5 +16,5 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 # torch first and pinned: a range would pull a multi-GB CUDA build (docs/engines.md §11.2).
 .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[dev]"
+.venv/bin/pip install -q -e ".[dev,cluster]"
 echo "$want" > "$stamp"

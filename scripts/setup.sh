@@ -11,3 +11,4 @@ if [ -f scripts/setup-engines.sh ]; then
 else
   bash scripts/setup-vllm.sh >/dev/null
 fi
+bash scripts/setup-evals.sh

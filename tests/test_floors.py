@@ -21,6 +21,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("panels",),      # panel data, encodings, needles, bench sets
     ("oracle",),      # the references: generic fp32 transformers oracle, the DeepSeek-V4.1 oracle
     ("engine",),      # the engine under test: client, adapters, launcher, kernels run in-process
+    ("evals",),       # task evals: data, sandbox, IFEval checkers, generation through the engine, McNemar
     ("reports",),     # JSON / Markdown / HTML rendering of metrics
     ("nightly",),     # flag registry, flag A/B statistics, the nightly matrix and its history
     ("gates",),       # the gate suite behind `pytest -m gate`

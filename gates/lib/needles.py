@@ -65,13 +65,16 @@ def heatmap_rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     return rows
 
 
-def judge(cells: Sequence[Cell], burst_equal: Sequence[tuple[str, bool]] = ()) -> NeedleResult:
-    failures = [f"needle missed at length {c.length}, depth {c.depth:g} ({c.prompt_tokens} tokens): "
-                f"answer {c.answer.strip()[:60]!r}, passphrase {c.passphrase!r}" for c in cells if not c.passed]
+def judge(cells: Sequence[Cell], burst_equal: Sequence[tuple[str, bool]] = (), gate_found: bool = True) -> NeedleResult:
+    """``gate_found=False`` (a random-weight model, which cannot retrieve anything) keeps the cells and the
+    found count in the result but gates only burst == solo."""
+    misses = [f"needle missed at length {c.length}, depth {c.depth:g} ({c.prompt_tokens} tokens): "
+              f"answer {c.answer.strip()[:60]!r}, passphrase {c.passphrase!r}" for c in cells if not c.passed]
+    failures = list(misses) if gate_found else []
     failures += [f"burst != solo: {label}" for label, ok in burst_equal if not ok]
     if not cells:
         failures.append("no needle cells were run")
     summary = {"cells": len(cells), "found": sum(c.passed for c in cells),
                "lengths": sorted({c.length for c in cells}), "depths": sorted({c.depth for c in cells}),
-               "burst_equal": f"{sum(ok for _, ok in burst_equal)}/{len(burst_equal)}"}
+               "burst_equal": f"{sum(ok for _, ok in burst_equal)}/{len(burst_equal)}", "found_gated": gate_found}
     return NeedleResult(not failures, failures, [c.as_row() for c in cells], heatmap_rows(cells), summary)

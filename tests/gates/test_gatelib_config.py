@@ -8,10 +8,11 @@ from gates.conftest import CONFIG, load_gate_config
 def test_production_config_overrides_ci_sizes():
     ci = load_gate_config()
     prod = load_gate_config(CONFIG.with_name("config-production.toml"))
-    assert set(ci) == {"selfconsistency", "batch", "prefix", "needles", "specdec", "bench"}
+    assert set(ci) == {"selfconsistency", "batch", "prefix", "needles", "specdec", "bench", "evals"}
     assert prod["needles"]["lengths"][-1] == 1_048_576 and max(ci["needles"]["lengths"]) < 2048
     assert prod["bench"]["max_tokens"] > ci["bench"]["max_tokens"]
     assert ci["prefix"]["passes"] >= 2 and prod["prefix"]["eviction_pass"]
+    assert ci["evals"]["humaneval_limit"] > 0 and prod["evals"]["humaneval_limit"] == 0  # production: every problem
 
 
 def test_unknown_override_key_is_refused(tmp_path):
@@ -22,3 +23,13 @@ def test_unknown_override_key_is_refused(tmp_path):
     bad.write_text("[nedles]\nlengths = [1]\n")
     with pytest.raises(pytest.UsageError, match="nedles"):
         load_gate_config(bad)
+
+
+def test_dsv4_config_shrinks_the_behaviour_gates_and_ungates_retrieval():
+    ci = load_gate_config()
+    dsv4 = load_gate_config(CONFIG.with_name("config-vllm-cpu-dsv4.toml"))
+    assert ci["needles"]["gate_found"] is True and dsv4["needles"]["gate_found"] is False
+    assert min(dsv4["needles"]["lengths"]) > 128       # past the tiny V4's sliding window
+    assert dsv4["batch"]["max_tokens"] < ci["batch"]["max_tokens"]
+    assert dsv4["selfconsistency"]["max_tokens"] < ci["selfconsistency"]["max_tokens"]
+    assert dsv4["prefix"] == ci["prefix"]

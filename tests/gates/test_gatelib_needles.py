@@ -22,3 +22,12 @@ def test_judge_table_and_heatmap():
     assert needles.judge(cells[:1] + cells[2:], [("burst", True)]).passed
     assert not needles.judge(cells[:1], [("burst", False)]).passed
     assert not needles.judge([]).passed
+
+
+def test_a_model_that_cannot_retrieve_is_gated_on_burst_only():
+    misses = [_cell(512, 0.5, "ments glances neutral"), _cell(1024, 0.5, "no idea")]
+    res = needles.judge(misses, [("burst", True)], gate_found=False)
+    assert res.passed and res.summary["found"] == 0 and res.summary["found_gated"] is False
+    assert len(res.rows) == 2                     # the misses stay in the report
+    assert not needles.judge(misses, [("burst", False)], gate_found=False).passed
+    assert not needles.judge(misses, [("burst", True)]).passed   # the default gates what was found

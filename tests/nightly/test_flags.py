@@ -93,6 +93,11 @@ def test_user_file_merges_over_shipped(tmp_path):
     ('[flags.X]\ndescription = "d"\nclass = "exact"\nvalues = { type = "int", max = 3 }\ndefault = "7"\n', "outside"),
     ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nalpha = 2\n', "alpha"),
     ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nspeed = 2\n', "unknown threshold"),
+    ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nkl_margin_rel = inf\n', "finite number"),
+    ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nkl_floor_abs = nan\n', "finite number"),
+    ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nkl_floor_abs = -1e-9\n', ">= 0"),
+    ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nspeed_tolerance = 1.5\n', r"\[0, 1\)"),
+    ('[flags.X]\ndescription = "d"\nclass = "exact"\n[flags.X.thresholds]\nrequire_speedup = "yes"\n', "bool"),
     ('[flags.VLLM_DS41_]\ndescription = "d"\nclass = "exact"\n', "part after the prefix"),
     ('[flagz.X]\n', "unknown top-level"),
 ])
@@ -291,4 +296,8 @@ def test_flags_cli_lists_last_verdicts(tmp_path):
     assert table.exit_code == 0 and "FAIL (bitwise_panel)" in table.output and "VLLM_DS41_HC_FUSED" not in table.output
     refused = runner.invoke(app, ["flags", "check", "vllm-cpu-fp32", "--flag", "dtype_bf16"])
     assert refused.exit_code == 1 and "not in the flag registry" in refused.output
-    assert runner.invoke(app, ["flags", "show", "VLLM_DS41_NOPE"]).exit_code == 2
+    shown = runner.invoke(app, ["flags", "show", "VLLM_DS41_NOPE"])
+    assert shown.exit_code == 2 and "--flag-registry" in shown.output
+    # the option the hint names exists on this command too (an alias of --registry)
+    named = runner.invoke(app, ["flags", "--flag-registry", str(CPU_REGISTRY), "show", "no_prefix_cache"])
+    assert named.exit_code == 0 and json.loads(named.output)["name"] == "no_prefix_cache"

@@ -235,7 +235,36 @@ def test_nightly_cli_dry_run_and_bad_config(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[nightly]\nname = 1\nbogus = 2\n")
     res = runner.invoke(app, ["nightly", str(bad)])
-    assert res.exit_code == 3 and "bogus" in res.output
+    assert res.exit_code == 2 and "bogus" in res.output
+
+
+@pytest.mark.parametrize("regression,match", [
+    ("margin_rel = inf", "margin_rel must be a number >= 0, got inf"),
+    ("margin_rel = nan", "margin_rel must be a number >= 0, got nan"),
+    ("floor_abs = -1.0", "floor_abs must be a number >= 0"),
+    ("alpha = 1.0", r"alpha must be a number in \(0, 1\)"),
+    ("alpha = true", "alpha must be a number"),
+    ("n_boot = 2000.5", "n_boot must be an integer >= 100"),
+    ("n_boot = 10", "n_boot must be an integer >= 100"),
+    ("margins = 0.1", r"unknown \[nightly.regression\] key\(s\) \['margins'\]"),
+])
+def test_nightly_regression_rule_ranges(tmp_path, regression, match):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[nightly.regression]\n{regression}\n[[cells]]\nprofile = "vllm-cpu-fp32"\n')
+    with pytest.raises(N.NightlyConfigError, match=match):
+        N.load_config(cfg)
+
+
+@pytest.mark.parametrize("top,match", [
+    ("cell_timeout_s = inf", "cell_timeout_s must be a number > 0"),
+    ("cell_timeout_s = 0", "cell_timeout_s must be a number > 0"),
+    ('name = ""', "nightly.name must be a non-empty string"),
+])
+def test_nightly_top_level_ranges(tmp_path, top, match):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[nightly]\n{top}\n[[cells]]\nprofile = "vllm-cpu-fp32"\n')
+    with pytest.raises(N.NightlyConfigError, match=match):
+        N.load_config(cfg)
 
 
 def test_shipped_nightly_configs_parse():

@@ -441,12 +441,13 @@ def test_launcher_health_probe_sends_the_servers_key(tmp_path):
         "class H(http.server.BaseHTTPRequestHandler):\n"
         "    def do_GET(self):\n"
         "        ok = self.headers.get('Authorization') == f'Bearer {key}'\n"
+        # the hit is on disk before the answer goes out: the launcher stops the server as soon as a 200 arrives
+        "        with open(sys.argv[2], 'a') as f: f.write(('ok' if ok else 'denied') + '\\n')\n"
         "        body = json.dumps({'data': [{'id': 'm'}]} if ok else {'error': 'no key'}).encode()\n"
         "        self.send_response(200 if ok else 401)\n"
         "        self.send_header('content-length', str(len(body)))\n"
         "        self.end_headers()\n"
         "        self.wfile.write(body)\n"
-        "        open(sys.argv[2], 'a').write(('ok' if ok else 'denied') + '\\n')\n"
         "    def log_message(self, *a):\n"
         "        pass\n"
         "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
@@ -552,3 +553,29 @@ def test_engine_url_without_reference_is_refused_for_another_model(tmp_path):
     assert r.returncode == 2, out[-3000:]
     assert "ds41-gates WARNING: --engine-url without --reference" in out
     assert "serves ['some-other-model'], not the embedded default model 'smollm2'" in out
+
+
+def test_every_input_error_class_is_a_user_error():
+    """The CLI's one handler (ds41gates.cli.main) prints a UserError as one line with exit 2; an input error
+    class outside that family would print a traceback instead."""
+    from engine.kernels.registry import RegistryError
+    from nightly.flags import FlagRegistryError
+    from nightly.runner import NightlyConfigError
+    from oracle.scoring import OracleError
+
+    for cls in (RegistryError, FlagRegistryError, NightlyConfigError, OracleError, RecordError, BandsError,
+                ConfigError, SpillError):
+        assert issubclass(cls, UserError), cls
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[nightly.regression]\nmargin_rel = inf\n[[cells]]\nprofile = "vllm-cpu-fp32"\n',
+     "nightly.regression.margin_rel must be a number >= 0, got inf"),
+    ('[nightly]\ncell_timout_s = 60\n[[cells]]\nprofile = "vllm-cpu-fp32"\n', "unknown [nightly] key(s)"),
+    ('[[cells]]\nprofile = "vllm-cpu-fp32"\nflags = ["no_such_flag"]\n', "unknown flag(s) ['no_such_flag']"),
+], ids=["infinite margin", "misspelled key", "unknown flag"])
+def test_bad_nightly_configs_exit_2_with_one_line(tmp_path, text, message):
+    path = tmp_path / "nightly.toml"
+    path.write_text(text)
+    rc, first, out = run("nightly", str(path), "--dry-run")
+    assert_one_line_error(rc, first, out, str(path), message)
