@@ -21,6 +21,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--reference", default=None, help="oracle reference record for the panel")
     group.addoption("--panel", default=None, help="panel name[@version] (default: the gate config's panel)")
     group.addoption("--flag", action="append", default=[], help="VLLM_DS41_* flag to A/B (repeatable)")
+    group.addoption("--engine-flag", action="append", default=[],
+                    help="profile flag the engine under test runs with (repeatable): the launched server gets it; "
+                         "with --engine-url it says what that server runs with (per-flag bands and floors)")
     group.addoption("--results", default=None, help="directory for this run's results and report")
     group.addoption("--eval-baseline", default=None,
                     help="results folder of a known-good task-eval run (gates/test_task_evals.py pairs against it)")
@@ -341,6 +344,7 @@ def engine_endpoint(request: pytest.FixtureRequest):
 
     url = _opt(request.config, "--engine-url")
     profile = _opt(request.config, "--engine-profile")
+    engine_flags = tuple(dict.fromkeys(request.config.getoption("--engine-flag")))
     if url:
         from core.redact import register_url_credentials
 
@@ -360,9 +364,9 @@ def engine_endpoint(request: pytest.FixtureRequest):
             from engine.launcher import load_profile
 
             kind = load_profile(profile).engine or kind
-        yield EngineEndpoint(root, models[0], profile or "default", engine=kind)
+        yield EngineEndpoint(root, models[0], profile or "default", engine=kind, flags=engine_flags)
         return
-    server, endpoint = launch_endpoint(profile or DEFAULT_PROFILE)
+    server, endpoint = launch_endpoint(profile or DEFAULT_PROFILE, flags=engine_flags)
     try:
         yield endpoint
     finally:
@@ -477,6 +481,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the
     _flag_ab_addoption(parser)
 
 
+def _check_engine_flags(config: pytest.Config) -> None:
+    """An --engine-flag the profile does not define is a usage error now, before any server starts."""
+    flags = config.getoption("--engine-flag")
+    if not flags:
+        return
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.launcher import ProfileError, load_profile
+
+    name = config.getoption("--engine-profile") or DEFAULT_PROFILE
+    try:
+        defined = load_profile(name).flags
+    except ProfileError as exc:
+        raise pytest.UsageError(f"--engine-profile: {exc}") from None
+    unknown = [f for f in dict.fromkeys(flags) if f not in defined]
+    if unknown:
+        raise pytest.UsageError(f"--engine-flag: profile {name!r} has no flag(s) {unknown}; it defines "
+                                f"{sorted(defined)}")
+
+
 def _check_requested_flags(config: pytest.Config) -> None:
     """An unknown --flag or a broken registry is a usage error now, before any fixture launches a server."""
     flags = config.getoption("--flag")
@@ -501,6 +524,7 @@ _plain_configure = pytest_configure
 def pytest_configure(config: pytest.Config) -> None:  # noqa: F811 - extends the configure above
     _plain_configure(config)
     _check_requested_flags(config)
+    _check_engine_flags(config)
 
 
 def _needed_by_no_flag(item: pytest.Item) -> bool:

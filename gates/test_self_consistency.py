@@ -46,14 +46,18 @@ def sc_runs(engine_client, gate_config, gate_tokenizer):
     return runs
 
 
-def _band(cfg, profile: str = "") -> sc.Band:
-    mean, worst = cfg.get("floors", {}).get(profile, (cfg["floor_mean"], cfg["floor_worst"]))
+def _band(cfg, profile: str = "", flags: tuple[str, ...] = ()) -> sc.Band:
+    """The floor of ``profile+flag+...`` (flags sorted) when the config names one, else the profile's, else the
+    default: a flag can change the kernels decode and prefill run (gates/config-vllm-cpu-dsv4.toml)."""
+    floors = cfg.get("floors", {})
+    key = "+".join([profile, *sorted(flags)])
+    mean, worst = floors.get(key, floors.get(profile, (cfg["floor_mean"], cfg["floor_worst"])))
     return sc.Band(cfg["spread_factor"], float(mean), float(worst), cfg["top1_decided_min"], cfg["min_positions"])
 
 
 def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results):
     cfg = gate_config["selfconsistency"]
-    res = sc.judge(sc_runs, _band(cfg, engine_endpoint.profile), block=engine_facts["block_size"])
+    res = sc.judge(sc_runs, _band(cfg, engine_endpoint.profile, engine_endpoint.flags), block=engine_facts["block_size"])
     gate_results.add("self_consistency", {"profile": engine_endpoint.profile, "passed": res.passed,
                                           "failures": res.failures, "summary": res.summary, "regions": res.rows,
                                           "prompts": res.prompts, "config": cfg})
@@ -78,7 +82,7 @@ def test_self_consistency_detects_wrong_context(sc_runs, engine_client, engine_e
     gen_ids = [s.actual_id for s in a.decode[0]]
     wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg["k"])
     bad = sc.PromptRuns(a.prompt_id + "+wrong-context", a.domain, a.prompt_len, a.decode, (wrong, wrong))
-    res = sc.judge([bad], _band(cfg, engine_endpoint.profile))
+    res = sc.judge([bad], _band(cfg, engine_endpoint.profile, engine_endpoint.flags))
     gate_results.add("self_consistency_violation", {"case": bad.prompt_id, "detected": not res.passed,
                                                     "failures": res.failures, "summary": res.summary})
     assert not res.passed

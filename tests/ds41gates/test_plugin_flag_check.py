@@ -42,3 +42,33 @@ def test_known_flag_passes_the_check():
     proc, _ = _gate_session("--flag", "VLLM_DS41_MOE_BACKEND", "--collect-only", "-q")
     assert proc.returncode in (0, 5), proc.stdout + proc.stderr
     assert "unknown flag" not in proc.stderr
+
+
+def test_engine_flag_the_profile_lacks_is_a_usage_error_before_collection():
+    proc, elapsed = _gate_session("--engine-profile", "vllm-cpu-dsv4", "--engine-flag", "fp8_weights",
+                                  "--engine-flag", "fp8_wieghts")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert elapsed < 30
+    message = proc.stderr.strip().splitlines()[0]
+    assert message.startswith("ERROR: --engine-flag: profile 'vllm-cpu-dsv4' has no flag(s) ['fp8_wieghts']")
+    assert "'fp8_weights'" in message.split("defines")[1]    # the profile's flags are listed
+    assert "collected" not in proc.stdout
+
+
+def test_engine_flag_check_accepts_a_defined_flag_and_refuses_it_for_another_profile():
+    """--engine-flag is checked against the profile it runs with (flags are per profile)."""
+    import pytest
+
+    from ds41gates import pytest_plugin
+
+    class Config:
+        options = {"--engine-url": None, "--engine-profile": "vllm-cpu-dsv4",
+                   "--engine-flag": ["fp8_weights", "fp8_weights"]}
+
+        def getoption(self, name):
+            return self.options[name]
+
+    pytest_plugin._check_engine_flags(Config())          # a defined flag passes, a repeat is harmless
+    Config.options["--engine-profile"] = "vllm-cpu-fp32"
+    with pytest.raises(pytest.UsageError, match=r"profile 'vllm-cpu-fp32' has no flag\(s\) \['fp8_weights'\]"):
+        pytest_plugin._check_engine_flags(Config())
