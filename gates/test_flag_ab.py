@@ -69,14 +69,15 @@ def ab_profile(request) -> str:
 
 
 @pytest.fixture(scope="session")
-def flag_on(flag_name, flag_registry, ab_profile, launch_engine):
-    """The endpoint of the profile launched with the flag on (refused before launch when the preflight fails)."""
+def flag_on(flag_name, flag_registry, ab_profile, launch_engine, engine_endpoint):
+    """The endpoint of the profile launched with the flag on (refused before launch when the preflight fails):
+    the off side's own flags (--engine-flag) plus this one, so the two differ in exactly this flag."""
     from engine.launcher import load_profile
 
     check = check_profile(load_profile(ab_profile), flag_registry, [flag_name])
     if not check.ok:
         pytest.fail("flag A/B preflight:\n" + "\n".join(check.problems))
-    server, endpoint = launch_engine(ab_profile, flags=[flag_name])
+    server, endpoint = launch_engine(ab_profile, flags=[*dict.fromkeys([*engine_endpoint.flags, flag_name])])
     try:
         yield endpoint
     finally:

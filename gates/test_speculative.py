@@ -38,7 +38,7 @@ def spec_client(request, engine_endpoint, gate_config, launch_engine):
     elif request.config.getoption("--engine-url"):
         pytest.skip("--engine-url given: set DS41_SPEC_ENGINE_URL to the same engine with speculation on")
     else:
-        server, ep = launch_engine(engine_endpoint.profile,
+        server, ep = launch_engine(engine_endpoint.profile, flags=engine_endpoint.flags,
                                    overrides={"extra_args": ["--speculative-config", cfg["speculative_config"]]})
     client = client_for(ep, max_concurrency=2)
     try:
