@@ -246,6 +246,17 @@ def _ensure_f32(paths: SmolLM2Paths, report: Reporter) -> None:
 # Form C: HF fp32 safetensors directory (§12.5)
 
 
+def publish_dir(tmp: Path, dst: Path, error: type[Exception], doing: str) -> None:
+    """Move a finished temporary directory to ``dst`` in the shared cache: mkdtemp and safetensors create
+    owner-only modes, so they are opened up first; a ``dst`` another writer published meanwhile is never replaced."""
+    os.chmod(tmp, 0o755)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
+    if dst.exists():
+        raise error(f"{dst} appeared while {doing}; refusing to overwrite it")
+    os.rename(tmp, dst)
+
+
 def write_hf_dir(gguf_path: Path, dst: Path) -> None:
     """Load ``gguf_path`` with transformers (fp32) and save an HF directory at ``dst`` atomically."""
     import torch
@@ -276,13 +287,7 @@ def write_hf_dir(gguf_path: Path, dst: Path) -> None:
                 f"tokenizer saved in {tmp} encodes {CANARY_PROMPT!r} as {ids}, "
                 f"expected {list(CANARY_IDS)} (engines.md §12.7)"
             )
-        # mkdtemp and safetensors create owner-only modes; the cache is shared, so open them up.
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if dst.exists():
-            raise ModelSetupError(f"{dst} appeared while converting; refusing to overwrite it")
-        os.rename(tmp, dst)
+        publish_dir(tmp, dst, ModelSetupError, "converting")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -47,6 +47,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from engine.models import publish_dir
+
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TOKEN = "<global-img>"
@@ -181,12 +183,7 @@ def write_tiny_vlm(dst: Path, tokenizer_dir: Path, seed: int = SEED) -> None:
              "image_token_id": ids[0], "fake_token_id": ids[1], "global_token_id": ids[2],
              "tokens_per_image": TOKENS_PER_IMAGE, "image_size": IMAGE_SIZE,
              "tokenizer_from": str(tokenizer_dir)}, indent=1) + "\n")
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if dst.exists():
-            raise VLMSetupError(f"{dst} appeared while writing; refusing to overwrite it")
-        os.rename(tmp, dst)
+        publish_dir(tmp, dst, VLMSetupError, "writing")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -36,6 +36,7 @@ import numpy as np
 from core.domains import DOMAINS
 from panels.model import EncodedPanel, EncodedSequence, Message, PanelError, PanelHashMismatch, ToolCall, ToolSpec
 from panels.store import DATA_DIR, canonical_json
+from panels.store import _check_keys as _keys, _need   # the text panels' field checks
 from panels.tokenizers import PanelTokenizer
 
 IMAGE_DATA_DIR = DATA_DIR / "images"
@@ -182,21 +183,6 @@ def image_panel_hash(items: Sequence[ImageItem], images: Mapping[str, PanelImage
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-def _need(obj: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
-    if key not in obj:
-        raise PanelError(f"{where}: missing field '{key}'")
-    val = obj[key]
-    if not isinstance(val, typ) or (isinstance(val, bool) and typ is not bool):
-        raise PanelError(f"{where}: field '{key}' must be {typ.__name__}, got {type(val).__name__}")
-    return val
-
-
-def _keys(obj: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    extra = sorted(set(obj) - allowed)
-    if extra:
-        raise PanelError(f"{where}: unknown field(s) {extra}; allowed: {sorted(allowed)}")
-
-
 def _parse_part(obj: Any, where: str) -> Part:
     if not isinstance(obj, dict):
         raise PanelError(f"{where}: a content part must be an object")
