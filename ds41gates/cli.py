@@ -52,6 +52,7 @@ SUB_APPS = [
     ("ds41gates.evals", "eval_app", "eval"),
     ("ds41gates.evals", "eval_compare_app", "eval-compare"),
     ("ds41gates.evals", "ifeval_panel_app", "ifeval-panel"),
+    ("ds41gates.localize", "localize_cmd", "localize"),
 ]
 
 for module_name, attr, name in SUB_APPS:

