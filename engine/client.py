@@ -9,6 +9,11 @@ Layers:
   (truncated JSON, NaN literals and duplicate keys are named errors). 5xx, timeouts and connection errors
   are retried with bounded exponential backoff (:class:`RetryPolicy`); 4xx raises
   :class:`EngineRequestRejected` at once; anything malformed raises :class:`EngineResponseError`.
+  A verdict is bound to the engine that was named (``_OriginGuard``, httpx event hooks on the client's own
+  ``httpx.Client``): a redirect to another origin is :class:`EngineRedirectRefused` naming both origins (within
+  the origin only with ``same_origin_redirects``); bodies are uncompressed (``Accept-Encoding: identity``, any
+  other ``Content-Encoding`` is :class:`EngineBodyRefused`) and capped (:class:`EngineLimitExceeded`); every
+  attempt has a total deadline beside httpx's per-read timeout; the record names the origin that answered.
 * high-level calls — ``prompt_logprobs``, ``generate``, ``stream``, ``tokenize``/``detokenize``,
   ``metrics``, ``models`` — delegating engine-specific shapes to an adapter (``engine/adapters``).
 * :func:`score_panel` — an ``EncodedPanel`` → a ``Record`` (side ``engine``): one request per sequence,
@@ -17,6 +22,7 @@ Layers:
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +40,8 @@ from engine.adapters.base import (
     check_id_range, need, strict_json, usage_cached_tokens,
 )
 from engine.errors import (
-    EngineRequestRejected, EngineResponseError, EngineTransportError, Malformed, UnsupportedSurface,
+    EngineBodyRefused, EngineLimitExceeded, EngineRedirectRefused, EngineRequestRejected, EngineResponseError,
+    EngineTransportError, Malformed, UnsupportedSurface,
 )
 
 T = TypeVar("T")
@@ -53,6 +60,176 @@ def _split_body(fields: frozenset[str], body: Mapping[str, Any]) -> tuple[dict, 
     known = {k: v for k, v in body.items() if k in fields}
     extra = {k: v for k, v in body.items() if k not in fields}
     return known, (extra or None)
+
+
+# ---------------------------------------------------------------------------------------------- the engine's origin
+MAX_MODEL_NAME = 512           # characters; a served model name is an id or a path, never a document
+BYTES_PER_ENTRY = 256          # generous size of one logprob entry in any engine's JSON (id, logprob, rank, text)
+
+
+def origin_of(url: httpx.URL | str) -> str:
+    """``scheme://host:port`` of a URL (default port spelled out, credentials dropped): what a verdict is bound to."""
+    u = url if isinstance(url, httpx.URL) else httpx.URL(str(url))
+    port = u.port if u.port is not None else {"http": 80, "https": 443}.get(u.scheme)
+    host = f"[{u.host}]" if ":" in u.host else u.host
+    return f"{u.scheme}://{host}:{port}"
+
+
+def _bare(url: httpx.URL) -> str:
+    """The URL without user:password@ (it goes into error messages)."""
+    return str(url.copy_with(username=None, password=None)) if url.userinfo else str(url)
+
+
+def answer_budget(body: Mapping[str, Any]) -> int:
+    """Bytes an honest answer to ``body`` can need: positions (prompt + generated) × entries asked per position."""
+    prompt = body.get("prompt", body.get("input_ids"))
+    n = len(prompt) if isinstance(prompt, (list, str)) else 0
+    params = body.get("sampling_params") if isinstance(body.get("sampling_params"), Mapping) else {}
+    m = next((v for v in (body.get("max_tokens"), body.get("n_predict"), params.get("max_new_tokens"))
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0), 0)
+    k = max([v for v in (body.get(f) for f in ("prompt_logprobs", "logprobs", "top_logprobs", "n_probs",
+                                               "top_logprobs_num"))
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0] or [0])
+    return (n + m) * (k + 2) * BYTES_PER_ENTRY
+
+
+class _Deadline:
+    """The total deadline of one request attempt. httpx times each read, so a server that sends a byte now and
+    then never trips it; this timer shuts the attempt's socket down when the deadline passes (headers or body),
+    and the body stream checks it between chunks. Armed when the connection is made (httpcore's ``trace``
+    extension hands over the socket), disarmed when the response is closed."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.t_end = time.monotonic() + seconds
+        self.fired = False
+        self._timer: threading.Timer | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def expired(self) -> bool:
+        if time.monotonic() >= self.t_end:
+            self.fired = True
+        return self.fired
+
+    def trace(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            sock = info["return_value"].get_extra_info("socket")
+            with self._lock:
+                if sock is not None and not self._closed and self._timer is None:
+                    self._timer = threading.Timer(max(0.0, self.t_end - time.monotonic()), self._fire, (sock,))
+                    self._timer.daemon = True
+                    self._timer.start()
+        elif event == "http11.response_closed.complete":
+            self.cancel()
+
+    def _fire(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.fired = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def timeout(self) -> httpx.ReadTimeout:
+        return httpx.ReadTimeout(f"no complete answer within the total deadline of {self.seconds:g} s per request")
+
+
+class _CappedStream(httpx.SyncByteStream):
+    """A response body that stops at ``limit`` bytes (a named error, the rest never read) and at the deadline."""
+
+    def __init__(self, inner: httpx.SyncByteStream, limit: int, deadline: _Deadline, url: str):
+        self._inner, self._limit, self._deadline, self._url = inner, limit, deadline, url
+
+    def __iter__(self) -> Iterator[bytes]:
+        n = 0
+        try:
+            for chunk in self._inner:
+                n += len(chunk)
+                if n > self._limit:
+                    raise EngineLimitExceeded("body", self._url, None, self._limit)
+                if self._deadline.expired():
+                    raise self._deadline.timeout()
+                yield chunk
+        except httpx.HTTPError:
+            if self._deadline.fired:
+                raise self._deadline.timeout() from None
+            raise
+        if self._deadline.fired:   # a body read until close ends "normally" when the timer shut the socket
+            raise self._deadline.timeout()
+
+    def close(self) -> None:
+        self._deadline.cancel()
+        self._inner.close()
+
+
+class _OriginGuard:
+    """httpx event hooks binding a client to one origin: redirects to another origin are refused (within the
+    origin only when configured), only uncompressed bodies are read (``Accept-Encoding: identity``; any other
+    ``Content-Encoding`` is refused), bodies are capped, every attempt has a total deadline, and the origins and
+    peer addresses that answered are kept for the record."""
+
+    def __init__(self, origin: str, config: "ClientConfig"):
+        self.origin = origin
+        self.deadline_s = config.deadline_s if config.deadline_s is not None else 2 * config.timeout_s
+        self.max_body = config.max_body_bytes
+        self.same_origin_redirects = config.same_origin_redirects
+        self.answered: set[str] = set()
+        self.peers: set[str] = set()
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+
+    def begin(self, budget: int = 0) -> None:
+        """Called before each attempt on this thread: a fresh deadline, and the body cap for its answer."""
+        self._tls.limit = max(self.max_body, budget)
+        self._tls.deadline = _Deadline(self.deadline_s)
+
+    def _current(self) -> _Deadline:
+        if getattr(self._tls, "deadline", None) is None:
+            self.begin()
+        return self._tls.deadline
+
+    def deadline_fired(self) -> bool:
+        d = getattr(self._tls, "deadline", None)
+        return d is not None and d.fired
+
+    def on_request(self, request: httpx.Request) -> None:
+        request.headers["Accept-Encoding"] = "identity"
+        request.extensions = {**request.extensions, "trace": self._current().trace}
+
+    def on_response(self, response: httpx.Response) -> None:
+        request = response.request
+        url = _bare(request.url)
+        if response.has_redirect_location:
+            location = response.headers["location"][:300]
+            target = origin_of(request.url.join(location))
+            same = target == self.origin
+            if not (same and self.same_origin_redirects):
+                raise EngineRedirectRefused(response.status_code, url, location, self.origin, target, same)
+            return
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            raise EngineBodyRefused(url, f"Content-Encoding {encoding[:40]!r} was not asked for (the client asks for "
+                                    "'identity'): a compressed body's size is unknown until it is decoded")
+        limit = getattr(self._tls, "limit", self.max_body)
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise EngineLimitExceeded("body", url, int(declared), limit)
+        response.stream = _CappedStream(response.stream, limit, self._current(), url)
+        stream = response.extensions.get("network_stream")
+        peer = stream.get_extra_info("server_addr") if stream is not None else None
+        with self._lock:
+            self.answered.add(origin_of(request.url))
+            if isinstance(peer, tuple) and len(peer) >= 2:
+                self.peers.add(f"{peer[0]}:{peer[1]}")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -80,6 +257,9 @@ class ClientConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_concurrency: int = 2
     vocab_size: int | None = None  # when given, every id is range-checked
+    deadline_s: float | None = None        # total per request attempt (headers + body); None: 2 × timeout_s
+    max_body_bytes: int = 64 << 20         # body cap; a completions request's own size estimate may raise it
+    same_origin_redirects: bool = False    # follow redirects within the origin (never to another origin)
 
 
 @dataclass(frozen=True)
@@ -132,8 +312,21 @@ class EngineClient:
             root = root[:-3]
         self.root = root
         self._sleep = sleep
+        if len(config.model) > MAX_MODEL_NAME:
+            raise EngineLimitExceeded(f"model name {config.model[:40]!r}…", None, len(config.model), MAX_MODEL_NAME,
+                                      "characters")
+        self.origin = origin_of(root)
+        self._guard = _OriginGuard(self.origin, config)
         timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
-        self._openai = openai.OpenAI(base_url=root + "/v1", api_key=config.api_key, max_retries=0, timeout=timeout)
+        # our own httpx client: no redirect to another origin, no compression, capped bodies, a total deadline;
+        # no keep-alive, so every attempt's connection is its own (the deadline's timer owns that socket)
+        http = httpx.Client(timeout=timeout, follow_redirects=config.same_origin_redirects, max_redirects=3,
+                            limits=httpx.Limits(max_connections=max(8, 2 * config.max_concurrency),
+                                                max_keepalive_connections=0),
+                            headers={"Accept-Encoding": "identity"},
+                            event_hooks={"request": [self._guard.on_request], "response": [self._guard.on_response]})
+        self._openai = openai.OpenAI(base_url=root + "/v1", api_key=config.api_key, max_retries=0, timeout=timeout,
+                                     http_client=http)
         if adapter is None:
             from engine.adapters.vllm import VllmAdapter
             adapter = VllmAdapter(vocab_size=config.vocab_size)
@@ -156,13 +349,19 @@ class EngineClient:
     def _url(self, path: str) -> str:
         return self.root + "/" + path.lstrip("/")
 
-    def _with_retries(self, url: str, seq_id: str | None, call: Callable[[], T]) -> T:
+    def answered_by(self) -> tuple[list[str], list[str]]:
+        """The origins (``scheme://host:port``) and peer addresses (``ip:port``) that have answered this client."""
+        with self._guard._lock:
+            return sorted(self._guard.answered), sorted(self._guard.peers)
+
+    def _with_retries(self, url: str, seq_id: str | None, call: Callable[[], T], budget: int = 0) -> T:
         policy = self.config.retry
         attempt = 0
         while True:
             attempt += 1
             with self._lock:
                 self.attempts += 1
+            self._guard.begin(budget)
             try:
                 return call()
             except openai.APIStatusError as exc:
@@ -175,6 +374,10 @@ class EngineClient:
             except openai.APIConnectionError as exc:
                 cause = exc.__cause__ or exc
                 status, what, detail = None, "connection error", f"{type(cause).__name__}: {cause}"
+            if self._guard.deadline_fired():
+                what = "deadline exceeded"
+                detail = (f"no complete answer within the total deadline of {self._guard.deadline_s:g} s per request "
+                          f"(per-read timeout {self.config.timeout_s:g} s)")
             if attempt >= policy.max_attempts:
                 raise EngineTransportError(what, url, attempt, detail, status, seq_id)
             self._sleep(policy.delay(attempt))
@@ -190,7 +393,7 @@ class EngineClient:
             call = lambda: self._openai.chat.completions.with_raw_response.create(**known, extra_body=extra)
         else:
             call = lambda: self._openai.post(url, cast_to=httpx.Response, body=dict(body))
-        resp = self._with_retries(url, seq_id, call)
+        resp = self._with_retries(url, seq_id, call, answer_budget(body))
         raw = resp.content
         elapsed = resp.elapsed.total_seconds()
         try:
@@ -219,7 +422,7 @@ class EngineClient:
         if path.rstrip("/") != "/v1/completions":
             raise UnsupportedSurface(f"streaming is implemented for /v1/completions only, not {path}")
         t0 = time.perf_counter()
-        cm = self._with_retries(url, seq_id, lambda: _open_stream(self._openai, known, extra))
+        cm = self._with_retries(url, seq_id, lambda: _open_stream(self._openai, known, extra), answer_budget(body))
         done = False
         try:
             for line in cm.iter_lines():
@@ -244,7 +447,8 @@ class EngineClient:
                                               seq_id, url=url)
                 yield SseEvent(t, data)
         except httpx.HTTPError as exc:
-            raise EngineTransportError("stream broken", url, 1, f"{type(exc).__name__}: {exc}", None, seq_id) from None
+            what = "deadline exceeded" if self._guard.deadline_fired() else "stream broken"
+            raise EngineTransportError(what, url, 1, f"{type(exc).__name__}: {exc}", None, seq_id) from None
         finally:
             cm.close()
         if not done:
@@ -334,7 +538,12 @@ class EngineClient:
     def models(self) -> list[str]:
         reply = self.get_json("/v1/models")
         data = need(reply.data, "data", list, "/v1/models response")
-        return [need(m, "id", str, "/v1/models entry") for m in data]
+        ids = [need(m, "id", str, "/v1/models entry") for m in data]
+        for name in ids:
+            if len(name) > MAX_MODEL_NAME:
+                raise EngineLimitExceeded(f"model name {name[:40]!r}…", reply.url, len(name), MAX_MODEL_NAME,
+                                          "characters")
+        return ids
 
     def metrics(self) -> MetricsSnapshot:
         text, _ = self.get_text("/metrics")
@@ -489,6 +698,11 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     for r in results:
         timing = timing + r.timing
     cached = [r.cached_tokens for r in results]
+    origins, peers = client.answered_by()
+    if origins != [client.origin]:   # by construction (no redirect leaves the origin); a verdict is bound to it
+        raise EngineTransportError("answer from another origin", client.origin, 1,
+                                   f"answers came from {origins}; the engine under test is {client.origin}")
+    vocab = client.config.vocab_size or getattr(client.adapter, "vocab_size", None)
     prov = Provenance(
         side="engine",
         panel_name=encoded_panel.panel_name,
@@ -505,6 +719,9 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
             "cached_tokens": None if any(c is None for c in cached) else int(sum(cached)),
             "ambiguous_positions": int(sum(r.n_ambiguous for r in results)),
             "requests": timing.requests,
+            "answered_by": origins,          # scheme://host:port of every answer (credentials never included)
+            "answered_peers": peers,         # ip:port the answers came from
+            **({"vocab_size": int(vocab)} if vocab else {}),
         },
     )
     record = Record.from_sequences(prov, scores, k=k)

@@ -130,3 +130,46 @@ class TokenRoundTripError(EngineError):
 
 class UnsupportedSurface(EngineError):
     """The adapter's engine does not offer what was asked (e.g. streaming prompt logprobs)."""
+
+
+class EngineRedirectRefused(EngineError):
+    """The engine answered with a redirect the client does not follow: to another origin (scheme, host, port)
+    always — a verdict must come from the engine that was named — and within the origin unless the client was
+    configured for it (``ClientConfig.same_origin_redirects``). Names both origins."""
+
+    def __init__(self, status: int, url: str, location: str, from_origin: str, to_origin: str, same_origin: bool):
+        self.status = status
+        self.url = url
+        self.location = location
+        self.from_origin = from_origin
+        self.to_origin = to_origin
+        if same_origin:
+            why = (f"a same-origin redirect to {location}, which this client does not follow "
+                   "(ClientConfig.same_origin_redirects=True where an engine needs it)")
+        else:
+            why = (f"a redirect to another origin {to_origin} (from {from_origin}); refused: the verdict must come "
+                   f"from the engine at {from_origin}")
+        super().__init__(f"engine answered HTTP {status} at {url} with {why}")
+
+
+class EngineLimitExceeded(EngineError):
+    """The engine's answer (a body, a model name) is larger than the client accepts; nothing of it is used."""
+
+    def __init__(self, what: str, url: str | None, size: int | None, limit: int, unit: str = "bytes"):
+        self.what = what
+        self.url = url
+        self.size = size
+        self.limit = limit
+        got = f"{size} {unit}" if size is not None else f"more than {limit} {unit}"
+        where = f" at {url}" if url else ""
+        super().__init__(f"engine {what}{where} is {got}; the limit is {limit} {unit}")
+
+
+class EngineBodyRefused(EngineError):
+    """The engine's body cannot be read safely: a content encoding the client did not ask for (it asks for
+    ``identity``), so its decoded size is unknown until it is decoded (a gzip bomb)."""
+
+    def __init__(self, url: str, detail: str):
+        self.url = url
+        self.detail = detail
+        super().__init__(f"engine body refused at {url}: {detail}")
