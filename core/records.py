@@ -29,6 +29,13 @@ LOGPROB_SLACK = 1e-6     # a logprob above this is not log of a probability (flo
 
 Side = Literal["oracle", "engine"]
 
+# the exact dtype of every array (docs/DESIGN.md, "The record format"): float16 logprobs or int32 ids are another
+# format, not a variant of this one
+DTYPES = {name: np.dtype(t) for name, t in (
+    ("seq_offsets", np.int64), ("token_ids", np.int64), ("scored", np.bool_), ("pos_seq", np.int64),
+    ("pos_index", np.int64), ("topk_ids", np.int64), ("topk_logprobs", np.float64), ("actual_logprob", np.float64),
+    ("actual_rank", np.int64), ("logsumexp", np.float64), ("full_logprobs", np.float32), ("ambiguous", np.bool_))}
+
 
 class RecordError(UserError, ValueError):
     """A record is malformed; the message names the sequence and position."""
@@ -154,6 +161,10 @@ def _validate_sequence(s: SequenceScores, k: int) -> None:
         if (np.diff(dup, axis=1) == 0).any():
             i = int(np.argwhere(np.diff(dup, axis=1) == 0)[0][0])
             raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: duplicate id in top-k")
+
+
+def _side(rec: "Record") -> str:
+    return "reference" if rec.provenance.side == "oracle" else rec.provenance.side
 
 
 def _content_sha256(arrays: dict[str, np.ndarray], seq_ids: list, domains: list, k: int) -> str:
@@ -316,8 +327,15 @@ class Record:
             problems.append(f"panel hash {a.panel_hash[:16]} vs {b.panel_hash[:16]}")
         if a.tokenizer_hash != b.tokenizer_hash:
             problems.append(f"tokenizer hash {a.tokenizer_hash[:16]} vs {b.tokenizer_hash[:16]}")
+        va, vb = self.vocab_size(), other.vocab_size()
+        if va is not None and vb is not None and va != vb:
+            problems.append(f"vocabulary sizes differ ({_side(self)} {va} vs {_side(other)} {vb})")
         if problems:
             raise RecordMismatch("records are not comparable: " + "; ".join(problems))
+        if va is not None or vb is not None:   # the known vocabulary bounds every id of both sides
+            owner = self if va is not None else other
+            for rec in (self, other):
+                rec.check_ids_in_vocabulary(va if va is not None else vb, f"the {_side(owner)}'s", f"{_side(rec)} record")
         if self.seq_ids != other.seq_ids:
             missing = sorted(set(self.seq_ids) ^ set(other.seq_ids))[:5]
             raise RecordMismatch(f"records hold different sequences (first differing ids: {missing})")
@@ -361,7 +379,10 @@ class Record:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Record":
+    def load(cls, path: str | os.PathLike, *, trust_unhashed: bool = False) -> "Record":
+        """Read and check a record. A record without ``content_sha256`` (written before records were hashed, or
+        by another tool) is refused unless ``trust_unhashed`` — the caller vouches for the file; a stored hash
+        is always checked. ``python -m core.records rehash PATH`` writes the hash into a trusted old record."""
         path = Path(path)
         if not path.is_file():
             raise RecordError(f"{path}: no such record file")
@@ -394,6 +415,11 @@ class Record:
         if k < 1:
             raise RecordError(f"{path}: record metadata k={k}; must be at least 1")
         stored = meta.get("content_sha256")
+        if stored is None and not trust_unhashed:
+            raise RecordError(f"{path}: record has no content_sha256 (written before records were hashed, or by "
+                              "another tool), so an edit of it would go unnoticed; if you trust this file, re-hash "
+                              f"it: python -m core.records rehash {path} (in code: Record.load(path, "
+                              "trust_unhashed=True))")
         if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k):
             raise RecordError(f"{path}: the record's arrays, ids or domains do not match its content_sha256 "
                               "(the file was corrupted or edited after it was written)")
@@ -411,14 +437,12 @@ class Record:
         return rec
 
     def _check_consistent(self, where: Path | str = "record") -> None:
-        kinds = {"seq_offsets": "i", "token_ids": "i", "pos_seq": "i", "pos_index": "i", "topk_ids": "i",
-                 "actual_rank": "i", "scored": "b", "ambiguous": "b", "topk_logprobs": "f",
-                 "actual_logprob": "f", "logsumexp": "f", "full_logprobs": "f"}
-        for name, kind in kinds.items():
+        for name, want in DTYPES.items():
             arr = getattr(self, name)
-            if arr is not None and arr.dtype.kind not in (kind + "u" if kind == "i" else kind):
-                want = {"i": "an integer", "b": "a bool", "f": "a float"}[kind]
-                raise RecordError(f"{where}: array {name} has dtype {arr.dtype}, expected {want} array")
+            if arr is not None and (not isinstance(arr, np.ndarray) or arr.dtype != want):
+                got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise RecordError(f"{where}: array {name} has dtype {got}, expected {want.name} "
+                                  f"(format {FORMAT_VERSION})")
         n_seq = len(self.seq_ids)
         p = self.n_positions
         if self.seq_offsets.shape != (n_seq + 1,) or int(self.seq_offsets[-1]) != self.token_ids.size:
@@ -444,14 +468,32 @@ class Record:
         self._check_values(where)
 
     def vocab_size(self) -> int | None:
-        """The vocabulary size when the record knows it (full logprobs, or `vocab_size` in provenance)."""
+        """The vocabulary size when the record knows it (full logprobs, or `vocab_size` in provenance); a
+        `vocab_size` that is not a positive int, or sources that disagree, are a RecordError."""
+        sizes: dict[str, int] = {}
         if self.full_logprobs is not None:
-            return int(self.full_logprobs.shape[1])
-        for table in (self.provenance.extra, self.provenance.source):
-            v = table.get("vocab_size")
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-        return None
+            sizes["full_logprobs"] = int(self.full_logprobs.shape[1])
+        for name, table in (("provenance extra", self.provenance.extra), ("provenance source", self.provenance.source)):
+            if "vocab_size" in table:
+                v = table["vocab_size"]
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise RecordError(f"{name} vocab_size {v!r:.40} is not a positive integer")
+                sizes[name] = v
+        if len(set(sizes.values())) > 1:
+            raise RecordError(f"the record's vocabulary sizes disagree: {sizes}")
+        return next(iter(sizes.values()), None)
+
+    def check_ids_in_vocabulary(self, vocab: int, whose: str, where: str = "record") -> None:
+        """Every token id and top-k id of this record lies in [0, vocab) (top-k padding -1 aside)."""
+        if self.token_ids.size and (self.token_ids.max() >= vocab or self.token_ids.min() < 0):
+            i = int(np.flatnonzero((self.token_ids >= vocab) | (self.token_ids < 0))[0])
+            s = int(np.searchsorted(self.seq_offsets, i, side="right") - 1)
+            raise RecordError(f"{where}: {_where(self.seq_ids[s], i - int(self.seq_offsets[s]))}: token id "
+                              f"{int(self.token_ids[i])} is outside {whose} vocabulary (size {vocab})")
+        if self.n_positions and (self.topk_ids.max() >= vocab or self.topk_ids.min() < -1):
+            i, j = (int(x) for x in np.argwhere((self.topk_ids >= vocab) | (self.topk_ids < -1))[0])
+            raise RecordError(f"{where}: {_where(self.seq_ids[int(self.pos_seq[i])], int(self.pos_index[i]))}: "
+                              f"top-k id {int(self.topk_ids[i, j])} is outside {whose} vocabulary (size {vocab})")
 
     def _check_values(self, where: Path | str) -> None:
         """What `_validate_sequence` checks when a record is built, re-checked on the loaded arrays: a
@@ -487,7 +529,10 @@ class Record:
         if self.token_ids.size and self.token_ids.min() < 0:
             i = int(np.flatnonzero(self.token_ids < 0)[0])
             raise RecordError(f"{where}: token id {int(self.token_ids[i])} at flat index {i} is negative")
-        vocab = self.vocab_size()
+        try:
+            vocab = self.vocab_size()
+        except RecordError as exc:
+            raise RecordError(f"{where}: {exc}") from None
         if vocab is not None:
             if self.token_ids.size and self.token_ids.max() >= vocab:
                 raise RecordError(f"{where}: token id {int(self.token_ids.max())} is outside the vocabulary "
@@ -532,3 +577,46 @@ class Record:
         if self.logsumexp is not None and np.isnan(self.logsumexp).any():
             i = int(np.flatnonzero(np.isnan(self.logsumexp))[0])
             raise RecordError(f"{at(i)}: logsumexp is NaN")
+
+
+# ---------------------------------------------------------------------------------------------- rehash
+def rehash(path: str | os.PathLike) -> str:
+    """Write ``content_sha256`` into a trusted record that has none (written before records were hashed): every
+    other check still runs, a record that has a hash is only checked, never re-hashed. Returns the hash."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            stored = (f.metadata() or {}).get("content_sha256")
+    except Exception as exc:  # safetensors raises several types for truncated/corrupt files
+        raise RecordError(f"{path}: not a readable record file ({exc})") from None
+    rec = Record.load(path, trust_unhashed=True)
+    if stored is not None:
+        return stored
+    rec.save(path)
+    with safe_open(str(path), framework="numpy") as f:
+        return f.metadata()["content_sha256"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m core.records rehash PATH [PATH ...]``: one line per file; errors are one line, exit 2."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2 or args[0] != "rehash":
+        print("usage: python -m core.records rehash PATH [PATH ...]  (write content_sha256 into trusted old "
+              "records)", file=sys.stderr)
+        return 2
+    for p in args[1:]:
+        try:
+            digest = rehash(p)
+        except UserError as exc:
+            from core.errors import one_line
+
+            print(f"error: {one_line(exc)}", file=sys.stderr)
+            return 2
+        print(f"{p}: content_sha256 {digest}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
