@@ -149,22 +149,25 @@ def nightly_app(
     dry_run: bool = typer.Option(False, "--dry-run", help="print each cell's pytest command and exit"),
 ) -> None:
     """Run the nightly gate matrix (profiles × flag sets), record history, exit non-zero on regression."""
-    from nightly.runner import NightlyConfigError, cell_argv, load_config, run_nightly
+    from core.redact import redact, redact_command
+    from nightly.runner import NightlyConfigError, cell_argv, load_config, register_config_secrets, run_nightly
 
     try:
         cfg = load_config(config)
+        register_config_secrets(cfg)   # everything printed below goes through core.redact
         if dry_run:
             for c in cfg.cells:
                 if not cell or c.name in cell:
-                    typer.echo(f"{c.name}: " + " ".join(cell_argv(cfg, c, out / "<run>" / c.name)))
+                    typer.echo(redact(f"{c.name}: " + redact_command(cell_argv(cfg, c, out / "<run>" / c.name))))
             return
         result = run_nightly(cfg, db, out, only=cell or ())
     except NightlyConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(EXIT_CONFIG)
-    typer.echo(f"nightly {cfg.name}: run {result.run_id} {result.status.upper()} -> {result.out_dir / 'nightly.md'}")
+    typer.echo(redact(f"nightly {cfg.name}: run {result.run_id} {result.status.upper()} -> "
+                      f"{result.out_dir / 'nightly.md'}"))
     for f in result.findings:
-        typer.echo(f.line(), err=f.kind in ("regression", "new-failure", "error"))
+        typer.echo(redact(f.line()), err=f.kind in ("regression", "new-failure", "error"))
     if result.regressions:
         typer.echo(f"REGRESSION: {len(result.regressions)} against the last green baseline", err=True)
     raise typer.Exit(result.exit_code)

@@ -132,24 +132,34 @@ def connect(path: str | Path) -> sqlite3.Connection:
 def insert_run(db: str | Path, *, started: str, finished: str, config_name: str, config_path: str,
                config_hash: str, git_commit: str, host: str, status: str, exit_code: int, out_dir: str,
                cells: Sequence[CellRecord]) -> int:
-    """Append one run with all its cells in one transaction; returns the run id."""
+    """Append one run with all its cells in one transaction; returns the run id. Every text written goes through
+    core.redact (a gate's failure message may quote an engine URL with user:password@ or an echoed key)."""
+    from core.redact import known_secrets, redact
+
+    secrets = known_secrets()
+
+    def r(text: str) -> str:
+        return redact(text, secrets)
+
     with closing(connect(db)) as conn, conn:
         cur = conn.execute(
             "INSERT INTO runs(started, finished, config_name, config_path, config_hash, git_commit, host, status,"
             " exit_code, out_dir) VALUES(?,?,?,?,?,?,?,?,?,?)",
-            (started, finished, config_name, config_path, config_hash, git_commit, host, status, exit_code, out_dir))
+            (started, finished, r(config_name), r(config_path), config_hash, r(git_commit), r(host), status, exit_code,
+             r(out_dir)))
         run_id = int(cur.lastrowid)
         for c in cells:
             conn.execute("INSERT INTO cells VALUES(?,?,?,?,?,?,?,?)",
-                         (run_id, c.cell, c.profile, json.dumps(list(c.flags)), c.pytest_exit, c.duration_s,
-                          "green" if c.green else "red", c.results_dir))
+                         (run_id, r(c.cell), r(c.profile), r(json.dumps(list(c.flags))), c.pytest_exit, c.duration_s,
+                          "green" if c.green else "red", r(c.results_dir)))
             conn.executemany("INSERT OR REPLACE INTO gate_results VALUES(?,?,?,?,?,?)",
-                             [(run_id, c.cell, g.gate, g.outcome, g.duration_s, g.message) for g in c.gates])
+                             [(run_id, r(c.cell), r(g.gate), g.outcome, g.duration_s, r(g.message)) for g in c.gates])
             conn.executemany("INSERT OR REPLACE INTO metrics VALUES(?,?,?,?,?)",
-                             [(run_id, c.cell, m.name, m.value,
+                             [(run_id, r(c.cell), r(m.name), m.value,
                                None if m.per_prompt is None else json.dumps(list(m.per_prompt))) for m in c.metrics])
             conn.executemany("INSERT OR REPLACE INTO flag_verdicts VALUES(?,?,?,?,?,?,?)",
-                             [(run_id, c.cell, v.flag, v.cls, v.gate, int(v.passed), v.why) for v in c.flag_verdicts])
+                             [(run_id, r(c.cell), r(v.flag), v.cls, r(v.gate), int(v.passed), r(v.why))
+                              for v in c.flag_verdicts])
         return run_id
 
 

@@ -49,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ from core import metrics
 from core.atomic import atomic_write_text
 from core.errors import UserError
 from core.paths import repo_root
+from core.redact import SECRET_NAME, known_secrets, redact, redact_command, redact_data, register_argv, \
+    register_secret, scrub_file
 from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
@@ -328,11 +331,16 @@ Runner = Callable[[list[str], Mapping[str, str], Path, float], int]
 
 
 def subprocess_runner(argv: list[str], env: Mapping[str, str], log_path: Path, timeout_s: float) -> int:
-    """Run one cell's pytest; stdout+stderr to log_path; a time-out kills its process group (exit 124)."""
+    """Run one cell's pytest; stdout+stderr to log_path, line by line through core.redact (the secrets of the
+    cell's own environment included), so no secret is ever on disk; a time-out kills its process group (exit 124)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    secrets = known_secrets(env)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), env=dict(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        pump = threading.Thread(target=_redacting_pump, args=(proc.stdout, log, secrets), daemon=True,
+                                name="ds41-nightly-log")
+        pump.start()
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -347,6 +355,39 @@ def subprocess_runner(argv: list[str], env: Mapping[str, str], log_path: Path, t
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
+        finally:
+            pump.join(timeout=30)   # a left-over grandchild holding the pipe must not hang the nightly
+
+
+def _redacting_pump(stream, log, secrets: list[str]) -> None:
+    """Copy a child's output to its log, each line redacted (undecodable bytes kept as they were)."""
+    try:
+        for line in iter(stream.readline, b""):
+            text = line.decode("utf-8", "surrogateescape")
+            log.write(redact(text, secrets).encode("utf-8", "surrogateescape"))
+            log.flush()
+    except (OSError, ValueError):   # the log was closed after the join timed out
+        pass
+    finally:
+        stream.close()
+
+
+def register_config_secrets(cfg: NightlyConfig) -> None:
+    """What a nightly config carries that is secret -- URL credentials and secret options in pytest_args, the
+    values of secret-named variables in a cell's env table -- is redacted from everything the nightly prints or
+    writes (the cells' own environment is the nightly's, whose secrets core.redact knows already)."""
+    register_argv(cfg.pytest_args)
+    for cell in cfg.cells:
+        for k, v in cell.env.items():
+            if SECRET_NAME.search(k):
+                register_secret(v)
+
+
+def scrub_cell_dir(cell_dir: Path) -> list[Path]:
+    """Redact every text file a cell's pytest wrote (junit XML, results, reports, logs): the last line of defence
+    behind the plugin's own redaction, so the history, the summary and the uploaded artifact hold no secret."""
+    secrets = known_secrets()
+    return [p for p in sorted(cell_dir.rglob("*")) if p.is_file() and scrub_file(p, secrets)]
 
 
 # --------------------------------------------------------------------------------------------- comparison
@@ -453,6 +494,7 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
         n += 1
         run_dir = out_root / f"{cfg.name}-{stamp}-{n}"
     run_dir.mkdir(parents=True)
+    register_config_secrets(cfg)
     cells = [c for c in cfg.cells if not only or c.name in only]
     if only and len(cells) != len(set(only)):
         raise NightlyConfigError(f"unknown cell(s) {sorted(set(only) - {c.name for c in cfg.cells})}; "
@@ -463,12 +505,13 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
         cell_dir.mkdir(parents=True)
         argv = cell_argv(cfg, cell, cell_dir)
         env = {**os.environ, **cell.env, "DS41_NIGHTLY": "1"}
-        echo(f"nightly: cell {cell.name}: {' '.join(argv[1:])}")
+        echo(redact(f"nightly: cell {cell.name}: {redact_command(argv[1:])}"))
         t0 = time.monotonic()
         code = runner(argv, env, cell_dir / "pytest.log", cfg.cell_timeout_s)
+        scrub_cell_dir(cell_dir)
         rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0)
-        echo(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
-             f"{sum(not g.failed for g in rec.gates)}/{len(rec.gates)} gates passed")
+        echo(redact(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
+                    f"{sum(not g.failed for g in rec.gates)}/{len(rec.gates)} gates passed"))
         records.append(rec)
     findings: list[Finding] = []
     baselines: dict[str, int | None] = {}
@@ -487,7 +530,7 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
     try:
         result.plots = plot_trends(db, run_dir / "trends")
     except Exception as exc:  # a plot must never hide the verdict
-        echo(f"nightly: trend plots failed: {exc!r}")
+        echo(redact(f"nightly: trend plots failed: {exc!r}"))
     write_summary(result, cfg)
     return result
 
@@ -536,6 +579,6 @@ def render_markdown(data: Mapping[str, Any]) -> str:
 
 
 def write_summary(result: NightlyResult, cfg: NightlyConfig) -> None:
-    data = summary_data(result, cfg)
+    data = redact_data(summary_data(result, cfg))
     atomic_write_text(result.out_dir / "nightly.json", json.dumps(data, indent=2, default=str))
     atomic_write_text(result.out_dir / "nightly.md", render_markdown(data))

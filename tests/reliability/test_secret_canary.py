@@ -1,0 +1,276 @@
+"""Secrets canary: no secret the harness knows of leaves it, on any path out (issue 27, item 4).
+
+One module-scoped session plants canary secrets — ``DS41_ENGINE_API_KEY``, ``HF_TOKEN``, ``OPENAI_API_KEY`` in
+the environment and ``http://user:password@`` on the engine URL — and runs, each as its own process the way CI
+does, against one stand-in OpenAI-compatible server (tests/reliability/helpers.CannedServer) that echoes the
+``Authorization`` header it receives in an error body:
+
+1. a **nightly** (`ds41gate nightly`, one cell: a gate session with the real KL panel gate, a gate whose engine
+   call is refused with the echoed header, and a gate that prints its engine URL and fails), with the URL
+   credentials in the config's ``pytest_args``;
+2. a **task eval** (`ds41gate eval ifeval --engine-url http://user:password@… --limit 2`);
+3. a plain **gate session** with the key sent as ``Authorization: Bearer`` and echoed back.
+
+Then every stream (stdout and stderr of each process) and every file written — the work folder (config, history
+DB, run folders, junit XML, results.json, reports, logs, eval records and generations), the processes' TMPDIR, and
+any file under the harness cache or the repository modified during the session — is searched for each canary in
+its raw, URL-encoded, JSON-escaped and base64 forms (and the Basic-auth token of the URL credentials).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets as _secrets
+import subprocess
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_client_malformed import vllm_generation_response
+from tests.reliability.helpers import (
+    REPO, Canned, CannedServer, exact_reference, gate_session_env, plain_sequences, serve_vllm,
+)
+
+MODEL = "fake-smollm2"
+GATES = '''import pytest
+pytestmark = [pytest.mark.gate, pytest.mark.engine]
+from gates.test_kl_panel import test_kl_panel_per_domain  # the real gate
+
+
+def test_refused_call_echoes_the_header(engine_client, gate_results):
+    """The engine refuses a call and quotes the request's Authorization header in its error."""
+    gate_results.add("canary_partial", {"measured": 1})
+    engine_client.tokenize("hello")
+
+
+def test_prints_its_engine_url_and_fails(engine_endpoint, request):
+    """A gate that logs where it sent requests (captured stdout) and fails naming the URL it was given."""
+    url = request.config.getoption("--engine-url")
+    print("engine under test:", url, engine_endpoint.base_url)
+    assert url is None, f"this gate wanted a launched engine, got --engine-url {url}"
+'''
+
+
+@dataclass
+class Canaries:
+    key: str                     # DS41_ENGINE_API_KEY: sent as Authorization: Bearer
+    hf: str                      # HF_TOKEN: only in the environment
+    openai: str                  # OPENAI_API_KEY: only in the environment
+    user: str
+    password: str                # the engine URL's user:password@
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def basic(self) -> str:
+        return base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+
+    def env(self) -> dict[str, str]:
+        return {"DS41_ENGINE_API_KEY": self.key, "HF_TOKEN": self.hf, "OPENAI_API_KEY": self.openai}
+
+    def needles(self) -> dict[str, bytes]:
+        """Every form a canary could take on the way out: raw, URL-encoded, JSON-escaped, base64."""
+        out: dict[str, bytes] = {}
+        for name, value in (("DS41_ENGINE_API_KEY", self.key), ("HF_TOKEN", self.hf), ("OPENAI_API_KEY", self.openai),
+                            ("url password", self.password), ("url user:password", f"{self.user}:{self.password}"),
+                            ("Basic token", self.basic)):
+            forms = {value, urllib.parse.quote(value, safe=""), json.dumps(value)[1:-1],
+                     base64.b64encode(value.encode()).decode().rstrip("=")}
+            for i, f in enumerate(sorted(forms)):
+                out[f"{name} [{i}]"] = f.encode()
+        return out
+
+
+@dataclass
+class Leak:
+    where: str
+    canary: str
+
+
+def grep_bytes(where: str, data: bytes, needles: dict[str, bytes]) -> list[Leak]:
+    return [Leak(where, name) for name, n in needles.items() if n in data]
+
+
+def grep_files(files, needles: dict[str, bytes]) -> list[Leak]:
+    leaks = []
+    for p in files:
+        try:
+            data = Path(p).read_bytes()
+        except OSError:
+            continue
+        leaks += grep_bytes(str(p), data, needles)
+    return leaks
+
+
+def _files_under(root: Path, since: float | None = None, skip: tuple[str, ...] = ()) -> list[Path]:
+    out = []
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        for f in filenames:
+            p = Path(dirpath) / f
+            try:
+                if p.is_file() and not p.is_symlink() and (since is None or p.stat().st_mtime >= since):
+                    out.append(p)
+            except OSError:
+                pass
+    return out
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    wall_s: float
+
+
+def _run(name: str, argv: list[str], env: dict[str, str], timeout: float = 240) -> Proc:
+    t0 = time.monotonic()
+    p = subprocess.run(argv, cwd=str(REPO), env=env, capture_output=True, timeout=timeout)
+    return Proc(name, argv, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+
+
+@dataclass
+class Session:
+    canaries: Canaries
+    work: Path
+    procs: dict[str, Proc]
+    files: list[Path]
+    seen_auth: list[str]
+
+    def leaks(self) -> list[Leak]:
+        needles = self.canaries.needles()
+        out = []
+        for p in self.procs.values():
+            out += grep_bytes(f"{p.name}: stdout", p.stdout, needles) + grep_bytes(f"{p.name}: stderr", p.stderr, needles)
+        return out + grep_files(self.files, needles)
+
+
+def _server(c: Canaries) -> CannedServer:
+    srv = CannedServer()
+    serve_vllm(srv, MODEL)
+    prompt_route = srv.routes["/v1/completions"]
+
+    def completions(r):
+        if "prompt_logprobs" in r.body:
+            return prompt_route(r)
+        resp = vllm_generation_response(r.body["prompt"], r.body["max_tokens"], r.body.get("logprobs") or 1)
+        resp["model"] = MODEL
+        return Canned(200, resp)
+
+    srv.routes["/v1/completions"] = completions
+    srv.routes["/tokenize"] = lambda r: Canned(
+        400, {"error": {"message": f"bad request from {r.headers.get('authorization')} "
+                                   f"(Authorization: {r.headers.get('authorization')})"}})
+    return srv
+
+
+@pytest.fixture(scope="module")
+def canary_session(tmp_path_factory) -> Session:
+    tag = _secrets.token_hex(6)
+    c = Canaries(key=f"canary-key-{tag}", hf=f"canary-hf-{tag}", openai=f"canary-oa-{tag}",
+                 user="canaryuser", password=f"canarypw{tag}")
+    work = tmp_path_factory.mktemp("canary")
+    tmpdir = work / "tmp"
+    tmpdir.mkdir()
+    ref = work / "reference.safetensors"
+    exact_reference(plain_sequences()).save(ref)
+    gates = work / "canary_gates.py"
+    gates.write_text(GATES)
+    env = gate_session_env({**c.env(), "TMPDIR": str(tmpdir), "NO_COLOR": "1"})
+    py = sys.executable
+    started = time.time() - 1
+    procs: dict[str, Proc] = {}
+    with _server(c) as srv:
+        cred_url = srv.url.replace("http://", f"http://{c.user}:{c.password}@")
+        cfg = work / "nightly.toml"
+        args = ["-p", "ds41gates.pytest_plugin", "--engine-url", cred_url, "--reference", str(ref)]
+        cfg.write_text(f'[nightly]\nname = "canary"\ngates = [{json.dumps(str(gates))}]\n'
+                       f"pytest_args = {json.dumps(args)}\ncell_timeout_s = 180\n"
+                       '[[cells]]\nname = "stand-in"\nprofile = "vllm-cpu-fp32"\n')
+        db, runs = work / "history.sqlite", work / "runs"
+        nightly = [py, "-m", "ds41gates.cli", "nightly", str(cfg), "--db", str(db), "--out", str(runs)]
+        procs["nightly --dry-run"] = _run("nightly --dry-run", nightly + ["--dry-run"], env)
+        procs["nightly"] = _run("nightly", nightly, env)
+        procs["eval"] = _run("eval", [py, "-m", "ds41gates.cli", "eval", "ifeval", "--engine-url", cred_url,
+                                      "--out", str(work / "eval"), "--limit", "2", "--max-tokens", "8",
+                                      "--concurrency", "1", "--no-progress"], env)
+        session = work / "gate-session"
+        session.mkdir()
+        (session / "test_gate_session.py").write_text(GATES)
+        procs["gate session"] = _run("gate session", [
+            py, "-m", "pytest", "-p", "ds41gates.pytest_plugin", "-p", "no:cacheprovider", "-rA",
+            str(session / "test_gate_session.py"), "--engine-url", srv.url, "--reference", str(ref),
+            "--results", str(session / "results"), "--junitxml", str(session / "junit.xml")], env)
+        seen_auth = [s.headers.get("authorization", "") for s in srv.seen]
+    cache = Path(os.environ.get("DS41_CACHE") or Path.home() / ".cache" / "ds41-gates")
+    files = _files_under(work) + _files_under(cache, since=started) + [
+        p for p in _files_under(REPO, since=started, skip=(".git", ".venv", "node_modules", "__pycache__"))]
+    inputs = {cfg}      # the test's own input: the config holds the URL credentials by design
+    return Session(c, work, procs, sorted(set(files) - inputs), seen_auth)
+
+
+def _out(p: Proc) -> str:
+    return (p.stdout + b"\n" + p.stderr).decode(errors="replace")[-4000:]
+
+
+def test_the_session_really_ran_every_path(canary_session):
+    """The canary session exercised what it claims: a finished nightly with history, junit and reports, a scored
+    eval record, a gate session; the canaries reached the engine (so they were live in the harness)."""
+    s = canary_session
+    nightly = s.procs["nightly"]
+    assert nightly.returncode == 3, _out(nightly)        # new failures, no green baseline
+    run_dir = next((s.work / "runs").glob("canary-*"))
+    cell = run_dir / "stand-in"
+    for name in ("junit.xml", "results.json", "per_prompt.json", "report.html", "report.md", "pytest.log"):
+        assert (cell / name).is_file(), name
+    junit = (cell / "junit.xml").read_text()
+    assert "test_kl_panel_per_domain" in junit and "test_refused_call_echoes_the_header" in junit
+    assert json.loads((cell / "results.json").read_text())["kl_panel"]["passed"] is True
+    assert (s.work / "history.sqlite").is_file() and (run_dir / "nightly.json").is_file()
+    assert s.procs["nightly --dry-run"].returncode == 0, _out(s.procs["nightly --dry-run"])
+    ev = s.procs["eval"]
+    assert ev.returncode == 0, _out(ev)
+    rec = json.loads((s.work / "eval" / "ifeval.eval.json").read_text())
+    assert len(rec["problems"]) == 2
+    gs = s.procs["gate session"]
+    assert gs.returncode == 1, _out(gs)
+    assert (s.work / "gate-session" / "results" / "results.json").is_file()
+    c = s.canaries
+    assert f"Bearer {c.key}" in s.seen_auth and f"Basic {c.basic}" in s.seen_auth
+    assert len(s.files) > 20
+
+
+def test_the_grep_finds_a_planted_canary(canary_session, tmp_path):
+    """Control: the search does find each form of a canary where one is written."""
+    c = canary_session.canaries
+    for name, needle in c.needles().items():
+        p = tmp_path / "planted.bin"
+        p.write_bytes(b"x" + needle + b"y")
+        assert [lk.canary for lk in grep_files([p], c.needles())].count(name) == 1, name
+
+
+def test_no_canary_in_any_stream_or_file(canary_session):
+    leaks = canary_session.leaks()
+    listing = "\n".join(f"{lk.where}: {lk.canary}" for lk in leaks)
+    assert not leaks, f"{len(leaks)} leak(s):\n{listing}"
+
+
+def test_redacted_markers_show_where_secrets_were(canary_session):
+    """The secret is replaced, not the line dropped: the printed argv and the junit message keep their shape."""
+    s = canary_session
+    dry = s.procs["nightly --dry-run"].stdout.decode()
+    assert "--engine-url http://<redacted>@127.0.0.1:" in dry, dry
+    err = s.procs["nightly"].stderr.decode()
+    assert "--engine-url http://<redacted>@127.0.0.1:" in err, err
+    junit = next((s.work / "runs").glob("canary-*/stand-in/junit.xml")).read_text()
+    assert "<redacted>" in junit.replace("&lt;", "<").replace("&gt;", ">")
