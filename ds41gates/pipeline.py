@@ -38,6 +38,12 @@ class ServedModel:
 # opinion beside it in the report, docs/ORACLE.md).
 SERVED_MODELS: dict[str, ServedModel] = {
     "vllm-cpu-dsv4": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
+    # exllamav3 on a CUDA GPU (docs/EXLLAMAV3.md): the same model, panel and tokenizer; an EXL3 profile's KL
+    # reference decodes its own EXL3 folder (oracle/dsv41/exllamav3_pack.py) and is passed as --reference
+    "exllamav3-dsv4-bf16": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
+    "exllamav3-dsv4-exl3": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
+    "exllamav3-dsv4-exl3-b2": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek",
+                                          oracle="deepseek"),
 }
 
 
