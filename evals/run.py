@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from core.errors import UserError
 from core.records import Provenance
+from core.redact import redact_data
 from core.version import code_version
 from evals.data import CodeProblem, Dataset, IFEvalPrompt, problem_id
 from evals.records import CODE_SUITES, EvalRecord, ProblemResult
@@ -77,13 +78,14 @@ class GenerationStore:
     def __init__(self, path: Path, header: dict[str, Any]):
         self.path = path
         self.header = header
+        self._header_out = redact_data(header)     # what the file holds (core.redact, like every path out)
         self._lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {}
         if path.is_file() and path.stat().st_size:
             self._read()
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._append({"header": header}, fresh=True)
+            self._append({"header": self._header_out}, fresh=True)
 
     def _read(self) -> None:
         raw = self.path.read_bytes()
@@ -98,23 +100,23 @@ class GenerationStore:
             except ValueError:
                 break           # a torn last line: everything from here is regenerated
             if first:
-                if obj.get("header") != self.header:
+                if obj.get("header") != self._header_out:
                     raise EvalRunMismatch(
-                        f"{self.path}: holds generations of another run ({_diff(obj.get('header'), self.header)}); "
+                        f"{self.path}: holds generations of another run ({_diff(obj.get('header'), self._header_out)}); "
                         "use another --out or delete the file")
                 first = False
             else:
                 self.done[obj["id"]] = obj
             good += line + b"\n"
         if first:
-            good = (json.dumps({"header": self.header}, sort_keys=True) + "\n").encode()
+            good = (json.dumps({"header": self._header_out}, sort_keys=True) + "\n").encode()
         if good != raw:     # drop the torn tail so the next append starts on a fresh line
             from core.atomic import atomic_write_bytes
 
             atomic_write_bytes(self.path, good)
 
     def _append(self, obj: dict[str, Any], fresh: bool = False) -> None:
-        data = (json.dumps(obj, sort_keys=True) + "\n").encode()
+        data = (json.dumps(redact_data(obj), sort_keys=True) + "\n").encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
         with self._lock:
             fd = os.open(self.path, flags, 0o644)
@@ -125,6 +127,9 @@ class GenerationStore:
                 os.close(fd)
 
     def add(self, obj: dict[str, Any]) -> None:
+        """Append one finished problem. What is kept (and scored) is what the file holds: the redacted line,
+        so a first run and a resumed one score the same text."""
+        obj = redact_data(obj)
         self._append(obj)
         with self._lock:
             self.done[obj["id"]] = obj

@@ -12,7 +12,11 @@ The boundary (docs/EVALS.md, "The sandbox"):
 * rlimits set before bubblewrap starts (inherited, hard = soft, unraisable without capabilities):
   CPU seconds, address space, file size, and the number of processes. As root the sandbox runs under an
   unprivileged uid of its own, because the kernel never applies RLIMIT_NPROC to uid 0;
-* a wall-clock deadline enforced here: the whole process group is killed when it passes.
+* a wall-clock deadline enforced here: the whole process group is killed when it passes;
+* an empty environment: bubblewrap itself is started with only ``SANDBOX_ENV`` (the sandbox's init is the
+  ``bwrap`` process, whose ``/proc/1/environ`` the code can read, so ``--clearenv`` alone is not enough);
+* output read with a cap (`Limits.output_mb` per stream, of bytes not yet taken by the harness): past it
+  the stream is cut and marked, the process killed, and nothing more is buffered.
 
 Why bubblewrap rather than Landlock (PyPI ``sandlock``): Landlock restricts files (and TCP on ABI 4+)
 but not processes or signals, and needs a kernel that enables it; namespaces give the PID and network
@@ -23,7 +27,6 @@ scripts/setup-evals.sh).
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -37,6 +40,9 @@ from typing import Literal
 from core.errors import UserError
 
 SANDBOX_PYTHON = "/usr/bin/python3"     # the system interpreter: lives in /usr, the one tree mounted
+# The whole environment bubblewrap (and so the sandbox's init, /proc/1) starts with: nothing of the harness's.
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+TRUNCATED_MARK = "\n[ds41-gates: output truncated at the {mb} MiB cap; the process was killed]\n"
 _UID_BASE = 61000                       # unprivileged uids for sandboxes started by root
 
 
@@ -51,22 +57,31 @@ class Limits:
     memory_mb: int = 1024       # address space
     processes: int = 32         # RLIMIT_NPROC for the sandbox's uid
     file_mb: int = 16           # largest file the code may write
+    output_mb: int = 4          # per stream (stdout, stderr): bytes held that the harness has not taken yet
 
 
-Status = Literal["ok", "failed", "timeout"]
+Status = Literal["ok", "failed", "timeout", "overflow"]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: Status              # ok: exit 0; failed: any other exit; timeout: killed at the deadline
-    returncode: int | None
+    status: Status              # ok: exit 0; failed: any other exit; timeout: killed at the deadline;
+    returncode: int | None      # overflow: killed when its output passed the cap
     stdout: str
     stderr: str
     wall_s: float
+    truncated: bool = False     # stdout or stderr was cut at the cap (the text ends with TRUNCATED_MARK)
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=SANDBOX_ENV["PATH"])
+    if found is None:
+        raise SandboxUnavailable(f"{name} is missing (util-linux); generated code is never run without it")
+    return found
 
 
 def _bwrap() -> str:
-    found = shutil.which("bwrap")
+    found = shutil.which("bwrap", path=SANDBOX_ENV["PATH"]) or shutil.which("bwrap")
     if found is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is not installed: run `bash scripts/setup-evals.sh` "
                                  "(apt-get install bubblewrap); generated code is never run outside it")
@@ -143,65 +158,242 @@ def command(workdir: Path, argv: list[str], limits: Limits, uid: int | None) -> 
     mb = 1024 * 1024
     cmd: list[str] = []
     if uid is not None:
-        cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    cmd += ["prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb * mb}", f"--fsize={limits.file_mb * mb}",
+        cmd += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    cmd += [_tool("prlimit"), f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb * mb}", f"--fsize={limits.file_mb * mb}",
             f"--nproc={limits.processes}", f"--core=0", "--"]
     cmd += [_bwrap(), "--unshare-all", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
             "--bind", str(workdir), "/sandbox", "--bind", str(workdir), "/tmp", "--remount-ro", "/",
             "--chdir", "/sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/sandbox",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
+            "--setenv", "LANG", SANDBOX_ENV["LANG"], "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
     return cmd + argv
 
 
-def run_python(source: str, limits: Limits = Limits(), stdin: str = "", files: dict[str, str] | None = None) -> Outcome:
-    """Run ``source`` as ``/sandbox/main.py`` with the system interpreter in isolated mode (``-I``)."""
-    py = _python()
-    slot = _take_slot()
-    uid = _free_uid(slot) if os.geteuid() == 0 else None
-    workdir = Path(tempfile.mkdtemp(prefix="ds41-sandbox-"))
-    try:
-        (workdir / "main.py").write_text(source, encoding="utf-8")
-        for name, text in (files or {}).items():
-            (workdir / name).write_text(text, encoding="utf-8")
-        if uid is not None:
-            for p in [workdir, *workdir.iterdir()]:
-                os.chown(p, uid, uid)
-        cmd = command(workdir, [py, "-I", "main.py"], limits, uid)
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, text=True, errors="replace")
+class _Stream(threading.Thread):
+    """Reads one pipe of a sandboxed process in chunks. Holds at most ``cap`` bytes the harness has not taken
+    yet; past that the held bytes are cut to the cap, ``overflow`` is set, ``on_overflow`` kills the process and
+    the rest is read and dropped (never buffered). ``keep_tail`` holds only the last bytes (stderr: the
+    traceback's last line is what a verdict quotes) while still counting everything against the cap."""
+
+    def __init__(self, pipe, cap: int, on_overflow, keep_tail: int = 0):
+        super().__init__(daemon=True)
+        self._pipe, self.cap, self._on_overflow, self._keep_tail = pipe, cap, on_overflow, keep_tail
+        self._buf = bytearray()
+        self._cond = threading.Condition()
+        self.total = 0
+        self.eof = False
+        self.overflow = False
+        self.start()
+
+    def run(self) -> None:
+        fd = self._pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            with self._cond:
+                if not chunk:
+                    self.eof = True
+                    self._cond.notify_all()
+                    return
+                self.total += len(chunk)
+                if self.overflow:
+                    continue
+                if self._keep_tail:
+                    self._buf += chunk
+                    del self._buf[:-self._keep_tail]
+                    over = self.total > self.cap
+                else:
+                    self._buf += chunk
+                    over = len(self._buf) > self.cap
+                if over:
+                    if not self._keep_tail:
+                        del self._buf[self.cap:]
+                    self.overflow = True
+                    self._cond.notify_all()
+                else:
+                    self._cond.notify_all()
+                    continue
+            self._on_overflow()
+
+    def take_line(self, deadline: float) -> bytes | None:
+        """The next whole line (without its newline), or None at EOF, overflow or the deadline."""
+        with self._cond:
+            while True:
+                nl = self._buf.find(b"\n")
+                if nl >= 0 and not self.overflow:
+                    line = bytes(self._buf[:nl])
+                    del self._buf[:nl + 1]
+                    return line
+                if self.eof or self.overflow:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.5))
+
+    def held(self) -> bytes:
+        with self._cond:
+            return bytes(self._buf)
+
+    def pending(self) -> bool:
+        with self._cond:
+            return bool(self._buf.strip())
+
+
+class SandboxProcess:
+    """One sandboxed ``/usr/bin/python3 -I main.py`` with ``files`` beside it, talked to over its stdin and
+    stdout (capped, see `_Stream`) until `close` (a context manager). The wall deadline counts from the start."""
+
+    def __init__(self, source: str, limits: Limits = Limits(), files: dict[str, str] | None = None):
+        self.limits = limits
+        py = _python()
+        self._slot = _take_slot()
+        self._uid: int | None = None
+        self._workdir: Path | None = None
+        self._proc: subprocess.Popen | None = None
         try:
-            out, err = proc.communicate(stdin, timeout=limits.wall_s)
-            status: Status = "ok" if proc.returncode == 0 else "failed"
+            self._uid = _free_uid(self._slot) if os.geteuid() == 0 else None
+            self._workdir = Path(tempfile.mkdtemp(prefix="ds41-sandbox-"))
+            (self._workdir / "main.py").write_text(source, encoding="utf-8")
+            for name, text in (files or {}).items():
+                (self._workdir / name).write_text(text, encoding="utf-8")
+            if self._uid is not None:
+                for p in [self._workdir, *self._workdir.iterdir()]:
+                    os.chown(p, self._uid, self._uid)
+            cmd = command(self._workdir, [py, "-I", "main.py"], limits, self._uid)
+            self.t0 = time.monotonic()
+            self.deadline = self.t0 + limits.wall_s
+            # env: the whole environment of setpriv → prlimit → bwrap (the sandbox's pid 1); nothing else passes
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          start_new_session=True, env=dict(SANDBOX_ENV))
+        except BaseException:
+            self.close()
+            raise
+        cap = max(1, int(limits.output_mb * 1024 * 1024))
+        self.out = _Stream(self._proc.stdout, cap, self.kill)
+        self.err = _Stream(self._proc.stderr, cap, self.kill, keep_tail=64 * 1024)
+        self.timed_out = False
+
+    # -- talking
+    def send(self, data: bytes) -> bool:
+        """Write to the process's stdin; False when it is gone (a closed pipe)."""
+        try:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def close_stdin(self) -> None:
+        try:
+            self._proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def read_line(self, deadline: float | None = None) -> bytes | None:
+        """The next line of stdout, or None: the process ended (`ended`), overflowed, or the deadline passed
+        (the process is then killed and `timed_out` set)."""
+        end = self.deadline if deadline is None else min(deadline, self.deadline)
+        line = self.out.take_line(end)
+        if line is None and not (self.out.eof or self.out.overflow) and time.monotonic() >= end:
+            if end >= self.deadline:
+                self.timed_out = True
+                self.kill()
+        return line
+
+    @property
+    def overflow(self) -> bool:
+        return self.out.overflow or self.err.overflow
+
+    def why(self) -> str:
+        """Why no (more) answer came: a timeout, output over the cap, or the process's exit and last error line."""
+        if self.overflow:
+            return f"output over the {self.limits.output_mb} MiB cap; killed"
+        if self.timed_out:
+            return f"timeout after {self.limits.wall_s:.1f}s"
+        rc = self.wait(min(self.deadline, time.monotonic() + 2.0))
+        lines = [ln for ln in self.stderr_text().strip().splitlines() if ln.strip()]
+        return (lines[-1] if lines else f"exit {rc} with no answer")[:300]
+
+    # -- ending
+    def wait(self, deadline: float | None = None) -> int | None:
+        """Wait for the exit until ``deadline`` (default: the wall deadline; then killed, `timed_out`)."""
+        end = self.deadline if deadline is None else deadline
+        try:
+            return self._proc.wait(timeout=max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
-            status = "timeout"
-        wall = time.perf_counter() - t0
-        if status == "failed" and "bwrap:" in err and ("namespace" in err or "Operation not permitted" in err
-                                                       or "Can't fork" in err):
-            # bubblewrap itself failed before the sample ran: a harness fault, never the sample's score
+            if end >= self.deadline:
+                self.timed_out = True
+            self.kill()
+            return self._proc.wait()
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stderr_text(self) -> str:
+        return self.err.held().decode("utf-8", errors="replace")
+
+    def check_bwrap(self) -> None:
+        """bubblewrap itself failed before the code ran: a harness fault, never the sample's score."""
+        err = self.stderr_text()
+        if self._proc.returncode not in (0, None) and "bwrap:" in err and (
+                "namespace" in err or "Operation not permitted" in err or "Can't fork" in err):
             raise SandboxUnavailable(f"bubblewrap could not build the sandbox: {err.strip()[-300:]}")
-        return Outcome(status, proc.returncode, out[-20_000:], err[-20_000:], wall)
-    finally:
+
+    def close(self) -> None:
         try:
-            if uid is not None:
-                _reap_uid(uid)
+            if self._proc is not None:
+                self.kill()
+                self._proc.wait()
+                for s in (getattr(self, "out", None), getattr(self, "err", None)):
+                    if s is not None:
+                        s.join(timeout=5.0)
+                for f in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
         finally:
-            _give_slot(slot)
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                if self._uid is not None:
+                    _reap_uid(self._uid)
+            finally:
+                _give_slot(self._slot)
+                if self._workdir is not None:
+                    shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> "SandboxProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def run_python(source: str, limits: Limits = Limits(), stdin: str = "", files: dict[str, str] | None = None) -> Outcome:
+    """Run ``source`` as ``/sandbox/main.py`` with the system interpreter in isolated mode (``-I``); its
+    output read with the cap (`Limits.output_mb`): cut, marked, and the process killed past it."""
+    with SandboxProcess(source, limits, files) as sp:
+        if stdin:
+            sp.send(stdin.encode("utf-8"))
+        sp.close_stdin()
+        rc = sp.wait()
+        sp.out.join(timeout=max(0.1, sp.deadline + 5.0 - time.monotonic()))
+        sp.err.join(timeout=5.0)
+        wall = time.monotonic() - sp.t0
+        status: Status = ("overflow" if sp.overflow else "timeout" if sp.timed_out
+                          else "ok" if rc == 0 else "failed")
+        if status == "failed":
+            sp.check_bwrap()
+        mark = TRUNCATED_MARK.format(mb=limits.output_mb)
+        out = sp.out.held().decode("utf-8", errors="replace") + (mark if sp.out.overflow else "")
+        err = sp.stderr_text() + (mark if sp.err.overflow else "")
+        return Outcome(status, rc, out, err, wall, truncated=sp.overflow)
 
 
-def nonce() -> str:
-    """A per-run token the test driver prints only after every test passed (an early ``os._exit(0)``
-    or a printed 'PASS' in generated code does not count as passing)."""
-    return secrets.token_hex(16)

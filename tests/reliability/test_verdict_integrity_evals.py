@@ -269,3 +269,52 @@ def test_a_secret_never_reaches_the_generations_file(canaries, tmp_path):
     assert CANARY_KEY not in path.read_text()
     again = GenerationStore(path, {"suite": "humaneval", "engine": {"model": "m"}})
     assert again.done["Test/inc"]["reply"] == store.done["Test/inc"]["reply"] == "my key is <redacted>"
+
+
+# ---------------------------------------------------------------------------------------------- the harness's side
+def test_plain_json_round_trips_builtin_values_and_refuses_the_rest():
+    from evals import plain
+
+    values = [None, True, 0, -7, 2 ** 100, 1.0, -0.5, float("inf"), float("-inf"), "é\u2028\ud800", [1, [2.5]],
+              (1, "a"), {1, 2}, frozenset({"x"}), {"k": (1,), 2: [None]}, [], (), {}]
+    for v in values:
+        back = plain.decode(plain.loads(plain.dumps({"ok": plain.encode(v)}))["ok"])
+        assert back == v and type(back) is type(v)
+    nan = plain.decode(plain.loads(plain.dumps({"ok": plain.encode(float("nan"))}))["ok"])
+    assert nan != nan
+    for bad in (object(), (x for x in ()), True.__class__, type("I", (int,), {})(3), [1, object()], b"bytes"):
+        with pytest.raises(plain.NotPlain):
+            plain.encode(bad)
+    for line in (b'{"ok": NaN}', b'{"ok": 1, "ok": 2}', b'{"ok": {"tuple": [1], "set": []}}', b"\xff",
+                 b'{"ok": 1} {"ok": 2}', b"[" * 100_000):
+        with pytest.raises(plain.NotPlain):
+            msg = plain.loads(line)
+            plain.decode(msg["ok"])
+    for obj in ({"list": [1]}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"float": "1.5"}, {"tuple": 3}):
+        with pytest.raises(plain.NotPlain):
+            plain.decode(obj)
+
+
+def test_evalplus_semantics_in_the_harness():
+    from evals.verdict import same_output
+
+    he, mb = "HumanEval/99", "Mbpp/99"
+    assert same_output(he, "f", [], 3, 3, 0) and same_output(he, "f", [], 3.0, 3, 0)   # Python's == as EvalPlus
+    assert not same_output(he, "f", [], "3", 3, 0) and not same_output(he, "f", [], [3], (3,), 0)
+    # floats: atol 1e-6 by default, type must match when not exact, rtol 1e-7
+    assert same_output(he, "f", [], 0.1 + 0.2, 0.3, 0) and not same_output(he, "f", [], 0.3 + 1e-5, 0.3, 0)
+    assert same_output(he, "f", [], [1.0, 2.0000001], [1.0, 2.0], 0)
+    assert not same_output(he, "f", [], (1.0, 2.0000001), [1.0, 2.0], 0)
+    assert not same_output(he, "f", [], [1.0], [1.0, 2.0], 0)
+    assert not same_output(he, "f", [], float("nan"), float("nan"), 1e-6)
+    assert same_output(he, "f", [], 1e9 + 50, 1e9, 0) and not same_output(he, "f", [], 1e9 + 500, 1e9, 0)
+    # special oracles
+    xs = [-6, 11, -6, 1]                                    # roots 1, 2, 3: any root passes find_zero
+    assert same_output(he, "find_zero", [xs], 2.0, 1.0, 1e-6) and not same_output(he, "find_zero", [xs], 1.5, 1.0, 1e-6)
+    assert not same_output(he, "find_zero", [xs], "1.0", 1.0, 1e-6)
+    assert same_output(mb, "sum_div", [7], 0, 8, 0) and not same_output(he, "sum_div", [7], 0, 8, 0)
+    assert same_output(mb, "similar_elements", [], (4, 5), (5, 4), 0)
+    assert same_output(mb, "are_equivalent", [], False, True, 0)
+    assert same_output(mb, "surface_Area", [3, 4], 35, 30, 0.5)   # round(9 + 6 * sqrt(18.25)) = 35
+    assert not same_output(mb, "surface_Area", [3, 4], 36, 30, 0.5)
+    assert same_output(mb, "digit_distance_nums", [123, 256], 7, 9, 0)
