@@ -8,10 +8,14 @@ patch_embed (Linear over the flattened 3 x p x p patch, with bias) -> `vision_n_
 RMSNorm -> w1 -> silu(gate half) * up half -> w2 -> residual) -> final RMSNorm.
 
 fp32 mode: every product, softmax and transcendental in float64, rounded once to fp32 (the contract of
-numerics.py: results independent of how many patches share a call). reference-bf16 mode: the reference's own
-dtypes and ops, in its order: bf16 patches, weights, biases and activations (every Linear a bf16 F.linear,
-the residual adds bf16), RMSNorm in fp32 with the fp32 weight and cast back to bf16, RoPE in fp32 on the bf16
-q / k and rounded once, torch's scaled_dot_product_attention on bf16 q, k, v, silu and the product in bf16.
+numerics.py: results independent of how many patches share a call). reference-bf16 mode: DeepSeek's
+vision.py call for call, in its dtypes, shapes and order: bf16 patches, weights, biases and activations (every
+Linear a bf16 F.linear, the residual adds bf16), RMSNorm in fp32 with the fp32 weight and cast back to bf16;
+q, k, v as vision.py slices them (`wqkv(x).chunk(3)`, each viewed [N, H, D] on the bf16 output); RoPE with
+vision.py's tables (torch's fp32 cos / sin of the [N, D/2] fp32 angle table, the shape vision.py evaluates
+them on) applied as its `apply_rotary` (fp32 halves x1 cos - x2 sin, x2 cos + x1 sin, cast to bf16);
+torch's scaled_dot_product_attention on the 3-D [H, N, D] bf16 views (torch's CPU SDPA rounds 4-D and 3-D
+calls differently); silu and the product in bf16.
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ def vision_rope_angles(cfg: ModelConfig, n_h: int, n_w: int) -> torch.Tensor:
     return torch.cat([rows[:, None] * inv[None, :], cols[:, None] * inv[None, :]], dim=1)
 
 
-def rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [N, head_dim] for rotate-half RoPE (the angles repeated over both halves), correctly
-    rounded fp32 of the fp32 angles."""
+def rope_tables(angles: torch.Tensor, num: Numerics | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, head_dim] for rotate-half RoPE (the angles repeated over both halves).
+
+    fp32 mode (and `num` None): correctly rounded fp32 of the fp32 angles. reference-bf16 mode: vision.py's
+    `get_vision_cos_sin`, torch's fp32 `cos` / `sin` evaluated on the contiguous [N, head_dim / 2] angle
+    table (the same values and shape as vision.py's `freqs`, so the same kernel path), then repeated (a copy)."""
+    if num is not None and num.bf16:
+        half = angles.float().contiguous()
+        c, s = half.cos(), half.sin()
+        return torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
     full = torch.cat([angles, angles], dim=-1)
     return in_f64(torch.cos, full), in_f64(torch.sin, full)
 
@@ -53,21 +64,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+def _rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """vision.py's `apply_rotary` on a bf16 x [N, H, D]: fp32 halves, x1 cos - x2 sin | x2 cos + x1 sin with
+    the first half of the (repeated) tables, cast to bf16. Returns bf16."""
+    h = x.shape[-1] // 2
+    c, s = cos[:, None, :h], sin[:, None, :h]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(torch.bfloat16)
+
+
 def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics) -> torch.Tensor:
-    """x [N, H, D] rotated per head: x cos + rotate_half(x) sin; fp32 arithmetic on the (bf16) input in
-    reference mode, rounded once."""
-    c, s = cos[:, None, :], sin[:, None, :]
+    """x [N, H, D] rotated per head: x cos + rotate_half(x) sin. reference-bf16 mode: vision.py's
+    `apply_rotary` on the bf16 input (fp32 arithmetic, rounded once to bf16; pass that mode's tables)."""
     if num.bf16:
-        return num.r(x * c + rotate_half(x) * s)
+        return _rotary_bf16(x.to(torch.bfloat16), cos, sin).float()
+    c, s = cos[:, None, :], sin[:, None, :]
     return in_f64(lambda x_, c_, s_: x_ * c_ + rotate_half(x_) * s_, x, c, s)
 
 
 def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num: Numerics) -> torch.Tensor:
-    """Non-causal attention over all patches, q, k, v [N, H, D] -> [N, H, D], scale D^-0.5."""
+    """Non-causal attention over all patches, q, k, v [N, H, D] -> [N, H, D], scale D^-0.5.
+
+    reference-bf16 mode: vision.py's call, `F.scaled_dot_product_attention` on the 3-D [H, N, D] transposed
+    bf16 views (bf16 inputs are used as they are, so their strides are the caller's)."""
     qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, D]
     if num.bf16:
-        out = F.scaled_dot_product_attention(qh.to(torch.bfloat16)[None], kh.to(torch.bfloat16)[None],
-                                             vh.to(torch.bfloat16)[None])[0].float()
+        out = F.scaled_dot_product_attention(*(t.to(torch.bfloat16) for t in (qh, kh, vh))).float()
     else:
         scale = q.shape[-1] ** -0.5
 
@@ -90,10 +112,14 @@ class VisionBlock:
         return self
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num: Numerics) -> torch.Tensor:
-        n, hd = x.shape[0], self.cfg.vision_head_dim
-        qkv = num.linear(x, self.wqkv, self.wqkv_b).view(n, 3, self.cfg.vision_n_heads, hd)
-        q, k, v = qkv.unbind(1)
-        q, k = apply_vision_rope(q, cos, sin, num), apply_vision_rope(k, cos, sin, num)
+        n, hd, heads = x.shape[0], self.cfg.vision_head_dim, self.cfg.vision_n_heads
+        qkv = num.linear(x, self.wqkv, self.wqkv_b)
+        if num.bf16:  # vision.py: q, k, v = (t.view(n, H, D) for t in wqkv(x).chunk(3)), all bf16
+            q, k, v = (t.view(n, heads, hd) for t in qkv.to(torch.bfloat16).chunk(3, dim=-1))
+            q, k = _rotary_bf16(q, cos, sin), _rotary_bf16(k, cos, sin)
+        else:
+            q, k, v = qkv.view(n, 3, heads, hd).unbind(1)
+            q, k = apply_vision_rope(q, cos, sin, num), apply_vision_rope(k, cos, sin, num)
         out = vision_attention(q, k, v, num).reshape(n, -1)
         return num.linear(out, self.wo, self.wo_b)
 
@@ -128,7 +154,7 @@ class VisionTower:
     def __call__(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int, num: Numerics) -> torch.Tensor:
         if patches.shape[0] != n_vit_h * n_vit_w:
             raise ValueError(f"vision tower: {patches.shape[0]} patches for a {n_vit_h} x {n_vit_w} grid")
-        cos, sin = rope_tables(vision_rope_angles(self.cfg, n_vit_h, n_vit_w))
+        cos, sin = rope_tables(vision_rope_angles(self.cfg, n_vit_h, n_vit_w), num)
         x = self.embed(patches, num)
         for block in self.blocks:
             x = block(x, cos, sin, num)

@@ -377,14 +377,15 @@ def test_reference_bf16_tower_vs_fp32_at_release_tower_sizes():
     img = process_image(_rgb(448, 448, 15), cfg)
     assert (img.n_vit_h, img.n_vit_w) == (32, 32)
     t0 = time.time()
-    cos, sin = rope_tables(vision_rope_angles(cfg, 32, 32))
+    angles = vision_rope_angles(cfg, 32, 32)
+    (cos, sin), (cos16, sin16) = rope_tables(angles), rope_tables(angles, BF16)  # each mode's tables
     tower = VisionTower(cfg)
     w = random_vision_weights(cfg, 0, "vision.patch_embed.")
     tower.patch_w, tower.patch_b = w["vision.patch_embed.proj.weight"], w["vision.patch_embed.proj.bias"]
     x32, x16 = tower.embed(img.patches, FP32), tower.embed(img.patches, BF16)
     for i in range(cfg.vision_n_layers):
         blk = VisionBlock(cfg, i).load(random_vision_weights(cfg, 0, f"vision.blocks.{i}."))
-        x32, x16 = blk(x32, cos, sin, FP32), blk(x16, cos, sin, BF16)
+        x32, x16 = blk(x32, cos, sin, FP32), blk(x16, cos16, sin16, BF16)
     norm = random_vision_weights(cfg, 0, "vision.norm.")["vision.norm.weight"]
     x32, x16 = FP32.rmsnorm(x32, norm, 1e-6), BF16.rmsnorm(x16, norm, 1e-6)
     r = rel_l2(x16, x32)
