@@ -102,19 +102,21 @@ class _Oracle:
         self._loaded = None
         self.info: dict = {}
         self.forward_s = 0.0
+        self.load_s = 0.0
 
     def capture(self, ids: Sequence[int]) -> dict:
         from oracle.capture import capture_dsv41, capture_hf, load_hf
 
-        t = time.perf_counter()
         if self.kind == "deepseek":
             acts, info = capture_dsv41(self.model_dir, ids, self.precision)
-            self.forward_s += info["forward_s"]
+            self.load_s += info["load_s"]
         else:
             if self._loaded is None:
+                t = time.perf_counter()
                 self._loaded = load_hf(self.model_dir, self.precision)
+                self.load_s += time.perf_counter() - t
             acts, info = capture_hf(self.model_dir, ids, self.precision, oracle=self._loaded)
-            self.forward_s += time.perf_counter() - t
+        self.forward_s += info["forward_s"]
         self.info = info
         return acts
 
@@ -178,7 +180,8 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                   "ignored_args": report.get("ignored_args")}
         timings = {"engine_process_s": round(report["wall_s"], 3), "engine_load_s": round(report["load_s"], 3),
                    "engine_generate_s": round(rc["generate_s"], 3),
-                   "oracle_forward_s": round(oracle.forward_s, 3), "floor_forward_s": round(floor_orc.forward_s, 3),
+                   "oracle_load_s": round(oracle.load_s, 3), "oracle_forward_s": round(oracle.forward_s, 3),
+                   "floor_load_s": round(floor_orc.load_s, 3), "floor_forward_s": round(floor_orc.forward_s, 3),
                    "compare_s": round(compare_s, 3), "total_s": round(time.perf_counter() - t_all, 3)}
         out[name] = LocalizeRecord(
             engine=engine, oracle=dict(oracle.info), floor=dict(floor_orc.info), factor=float(factor),
@@ -260,3 +263,46 @@ def localize_cmd(
 
     typer.echo(headline(rec))
     typer.echo(f"record: {paths['json']}\nplot:   {paths['plot']}")
+
+
+# ------------------------------------------------------------------------------------------ planted faults
+
+def n_decoder_layers(profile: str) -> int:
+    """The profile's model's decoder-layer count, from its config.json."""
+    import json
+
+    _, model_dir, _ = oracle_for(profile)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("num_hidden_layers", "n_layers", "num_layers"):
+        if key in cfg:
+            return int(cfg[key])
+    raise UserError(f"{model_dir}/config.json: no layer count (num_hidden_layers)")
+
+
+def planted_cases(n_layers: int, scale: float = 1e-3) -> list[dict]:
+    """The can-fail: the first, a middle and the last layer x (attn, mlp), plus the fault off ("clean")."""
+    cases = [{"name": "clean", "perturb": None}]
+    for layer in (0, n_layers // 2, n_layers - 1):
+        for module in ("attn", "mlp"):
+            cases.append({"name": f"L{layer}.{module}",
+                          "perturb": {"layer": layer, "module": module, "scale": scale}})
+    return cases
+
+
+def planted_table(recs: Mapping[str, LocalizeRecord], cases: Sequence[dict]) -> list[dict]:
+    """One row per case: the planted (layer, module), what the localizer named, distance/floor there and at the
+    layer before, and whether the naming is exact (the clean case: exact when nothing is named)."""
+    rows = []
+    for case in cases:
+        rec = recs[case["name"]]
+        v = rec.verdict
+        want = case.get("perturb")
+        planted = (want["layer"], want["module"]) if want else (None, None)
+        named = (v.first_divergent_layer, v.first_divergent_module)
+        rows.append({"engine": rec.engine.get("profile"), "case": case["name"], "planted_layer": planted[0],
+                     "planted_module": planted[1], "named_layer": named[0], "named_module": named[1],
+                     "phase": v.phase, "ratio_at_named": v.ratio_at_first, "ratio_layer_before": v.ratio_layer_before,
+                     "max_ratio": v.max_ratio, "max_ratio_site": v.max_ratio_site,
+                     "plugin_target": (rec.engine.get("perturb") or {}).get("target"),
+                     "exact": named == planted})
+    return rows
