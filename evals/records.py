@@ -73,7 +73,9 @@ class EvalRecord:
                 "scores": self.scores(), "problems": [r.to_json() for r in self.problems]}
 
     def save(self, path: str | os.PathLike) -> None:
-        write_json_atomic(path, self.to_json())
+        from core.redact import redact_data
+
+        write_json_atomic(path, redact_data(self.to_json()))   # the engine URL may carry user:password@
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "EvalRecord":

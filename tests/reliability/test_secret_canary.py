@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,7 +190,6 @@ def canary_session(tmp_path_factory) -> Session:
     env = gate_session_env({**c.env(), "TMPDIR": str(tmpdir), "NO_COLOR": "1"})
     py = sys.executable
     started = time.time() - 1
-    procs: dict[str, Proc] = {}
     with _server(c) as srv:
         cred_url = srv.url.replace("http://", f"http://{c.user}:{c.password}@")
         cfg = work / "nightly.toml"
@@ -199,18 +199,23 @@ def canary_session(tmp_path_factory) -> Session:
                        '[[cells]]\nname = "stand-in"\nprofile = "vllm-cpu-fp32"\n')
         db, runs = work / "history.sqlite", work / "runs"
         nightly = [py, "-m", "ds41gates.cli", "nightly", str(cfg), "--db", str(db), "--out", str(runs)]
-        procs["nightly --dry-run"] = _run("nightly --dry-run", nightly + ["--dry-run"], env)
-        procs["nightly"] = _run("nightly", nightly, env)
-        procs["eval"] = _run("eval", [py, "-m", "ds41gates.cli", "eval", "ifeval", "--engine-url", cred_url,
-                                      "--out", str(work / "eval"), "--limit", "2", "--max-tokens", "8",
-                                      "--concurrency", "1", "--no-progress"], env)
         session = work / "gate-session"
         session.mkdir()
         (session / "test_gate_session.py").write_text(GATES)
-        procs["gate session"] = _run("gate session", [
-            py, "-m", "pytest", "-p", "ds41gates.pytest_plugin", "-p", "no:cacheprovider", "-rA",
-            str(session / "test_gate_session.py"), "--engine-url", srv.url, "--reference", str(ref),
-            "--results", str(session / "results"), "--junitxml", str(session / "junit.xml")], env)
+        commands = {
+            "nightly --dry-run": nightly + ["--dry-run"],
+            "nightly": nightly,
+            "eval": [py, "-m", "ds41gates.cli", "eval", "ifeval", "--engine-url", cred_url, "--out", str(work / "eval"),
+                     "--limit", "2", "--max-tokens", "8", "--concurrency", "1", "--no-progress"],
+            # the key as Authorization: Bearer, echoed by the engine (the KL gate and its report: the nightly's cell)
+            "gate session": [py, "-m", "pytest", "-p", "ds41gates.pytest_plugin", "-p", "no:cacheprovider", "-rA",
+                             str(session / "test_gate_session.py"), "-k", "not kl_panel", "--engine-url", srv.url,
+                             "--reference", str(ref), "--results", str(session / "results"),
+                             "--junitxml", str(session / "junit.xml")],
+        }
+        with ThreadPoolExecutor(len(commands)) as pool:     # independent processes: side by side
+            futures = {name: pool.submit(_run, name, argv, env) for name, argv in commands.items()}
+            procs = {name: f.result() for name, f in futures.items()}
         seen_auth = [s.headers.get("authorization", "") for s in srv.seen]
     cache = Path(os.environ.get("DS41_CACHE") or Path.home() / ".cache" / "ds41-gates")
     files = _files_under(work) + _files_under(cache, since=started) + [
@@ -227,6 +232,7 @@ def test_the_session_really_ran_every_path(canary_session):
     """The canary session exercised what it claims: a finished nightly with history, junit and reports, a scored
     eval record, a gate session; the canaries reached the engine (so they were live in the harness)."""
     s = canary_session
+    print({p.name: round(p.wall_s, 1) for p in s.procs.values()}, f"{len(s.files)} files grepped")
     nightly = s.procs["nightly"]
     assert nightly.returncode == 3, _out(nightly)        # new failures, no green baseline
     run_dir = next((s.work / "runs").glob("canary-*"))
