@@ -160,7 +160,8 @@ def common_sequences(ref: Record, engines: Sequence[tuple[str, Record]]) -> tupl
 # ----------------------------------------------------------------------------- verdict and report
 
 def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Path,
-                 gate_results: Sequence["PanelGateResult"] = (), extra: dict | None = None):
+                 gate_results: Sequence["PanelGateResult"] = (), extra: dict | None = None,
+                 plots: dict | None = None):
     from reports.render import build_report
 
     sections = dict(extra or {})
@@ -176,7 +177,7 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
                 rows.append({"engine": g.label, "profile": g.profile, **r})
         sections["KL panel gate verdicts"] = {
             "rows": rows, "note": "pass rule of gates.md §3; bands in gates/bands.toml"}
-    return build_report(ref, list(engines), out_dir, extra=sections)
+    return build_report(ref, list(engines), out_dir, extra=sections, extra_plots=plots)
 
 
 def results_dir(base: str | os.PathLike | None = None) -> Path:

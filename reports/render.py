@@ -394,7 +394,8 @@ def write_text_atomic(path: Path, text: str) -> Path:
 
 def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
                  extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
-                 title: str | None = None, noise_floor: tuple[str, Record] | None = None) -> ReportPaths:
+                 title: str | None = None, noise_floor: tuple[str, Record] | None = None,
+                 extra_plots: Mapping[str, str] | None = None) -> ReportPaths:
     """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`.
     `noise_floor`: (label, the oracle's other-precision record), shown beside every engine's KL."""
     from reports import plots  # matplotlib is imported only when a report is drawn
@@ -403,6 +404,7 @@ def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: 
     floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
     data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor))
     images = plots.render_all(data, results)
+    images.update(extra_plots or {})   # {caption: base64 PNG} drawn by others (the divergence localizer)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")
     write_text_atomic(paths.json, json.dumps(data, indent=1, allow_nan=False) + "\n")

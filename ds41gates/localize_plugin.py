@@ -1,0 +1,82 @@
+"""`pytest -m gate --localize-on-fail`: when the KL panel gate fails, localize its worst prompt (the sequence with
+the largest mean KL_part) with the divergence localizer (ds41gates/localize.py) and put the verdict, the per-layer
+table and the plot into the session's report (results folder: ``localize/localize.json``, ``localize.png``,
+``localize.md``; results.json key ``localize``; a report section and figure).
+
+The localizer runs the profile's vLLM in process, so it needs ``--engine-profile`` (the launched engine, or the
+profile of the one ``--engine-url`` points at) with the session's ``--engine-flag`` flags; ``DS41_PERTURB_*``
+variables of the session's environment (which the launched server inherits) are handed to it explicitly, so a
+planted fault is localized in the engine that had it. Registered by the root conftest.py beside
+ds41gates.pytest_plugin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+GATE = "test_kl_panel_per_domain"
+TITLE = "Divergence localizer: worst prompt of the KL panel gate"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("ds41-gates").addoption(
+        "--localize-on-fail", action="store_true", default=False,
+        help="when the KL panel gate fails, localize its worst prompt (first divergent layer and module) into "
+             "the report (needs a vLLM --engine-profile)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.when == "call" and report.failed and getattr(item, "originalname", item.name) == GATE
+            and item.config.getoption("--localize-on-fail")):
+        run = getattr(item.config, "_ds41_gate_run", None)
+        if run is not None:
+            localize_failed_gate(item.config, run)
+
+
+def localize_failed_gate(config: pytest.Config, run, runner=None) -> dict | None:
+    """Localize the worst prompt of ``run``'s engine record; returns what went into results.json."""
+    from ds41gates.localize import run_localize, worst_prompt, write_outputs
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.localize import PERTURB_ENV
+    from panels import encoded_from_record
+    from reports.localize import plot_b64, section
+
+    runner = runner or run_localize
+    if run.reference is None or not run.engines:
+        return None
+    label, engine_rec = run.engines[-1]
+    profile = config.getoption("--engine-profile")
+    if config.getoption("--engine-url") and not profile:
+        run.add_section(TITLE, [], "not localized: --engine-url without --engine-profile (the localizer runs the "
+                                   "profile's vLLM in process; pass the profile the server was started from)")
+        return None
+    profile = profile or DEFAULT_PROFILE
+    seq_id, kl = worst_prompt(run.reference, engine_rec)
+    seq = next(s for s in encoded_from_record(run.reference).sequences if s.seq_id == seq_id)
+    env = {k: os.environ[k] for k in PERTURB_ENV if k in os.environ}
+    source = {"kind": "panel_item", "panel": f"{run.reference.provenance.panel_name}@"
+                                             f"{run.reference.provenance.panel_version}",
+              "seq_id": seq_id, "domain": seq.domain, "kl_part_mean": kl, "why": "worst prompt of the KL panel gate"}
+    out = run.out_dir / "localize"
+    try:
+        rec = runner(profile, list(seq.token_ids), source, out / "work",
+                     flags=tuple(dict.fromkeys(config.getoption("--engine-flag"))), engine_env=env)["run"]
+    except Exception as exc:  # noqa: BLE001 - the gate already failed; the report says why there is no localization
+        run.add_section(TITLE, [], f"localizer failed on {seq_id}: {type(exc).__name__}: {str(exc)[:600]}")
+        run.add("localize", {"seq_id": seq_id, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+        return None
+    paths = write_outputs(rec, out)
+    sec = section(rec, label=f"{seq_id} (mean KL_part {kl:.3g})")
+    run.add_section(TITLE, sec["rows"], sec["note"])
+    plots = dict(getattr(run, "report_plots", None) or {})
+    plots[f"Divergence localizer: {seq_id} (distance and floor per layer)"] = plot_b64(rec)
+    run.report_plots = plots
+    data = {"seq_id": seq_id, "kl_part_mean": kl, "record": str(paths["json"]), "plot": str(paths["plot"]),
+            "verdict": rec.to_dict()["verdict"]}
+    run.add("localize", data)
+    return data

@@ -1,0 +1,94 @@
+"""--localize-on-fail's wiring (ds41gates/localize_plugin.py) without an engine: the worst prompt of the KL panel
+gate is what gets localized, with the session's profile, flags and planted-fault variables, and the verdict, table
+and plot land in results.json and the report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from core.localize import LocalizeRecord, decide, localize_sites
+from core.records import Record
+from ds41gates.localize_plugin import TITLE, localize_failed_gate
+from ds41gates.pytest_plugin import GateRun
+from tests.core.recordkit import provenance, random_logprobs, sequence_from_full
+
+
+def _records():
+    rng = np.random.default_rng(1)
+    ref, eng = [], []
+    for s, noise in enumerate((0.01, 1.5, 0.1)):   # s1 is the engine's worst prompt
+        tokens = rng.integers(0, 40, size=10)
+        p = random_logprobs(rng, 9, 40)
+        q = p + rng.normal(size=p.shape) * noise
+        q = q - np.log(np.exp(q).sum(1, keepdims=True))
+        ref.append(sequence_from_full(f"s{s}", "a", tokens, p, 40))
+        eng.append(sequence_from_full(f"s{s}", "a", tokens, q, 5))
+    return Record.from_sequences(provenance("oracle"), ref), Record.from_sequences(provenance("engine"), eng)
+
+
+def _fake_localize_record(n: int) -> LocalizeRecord:
+    rng = np.random.default_rng(2)
+    oracle = {f"{ph}/L{L}.{m}": rng.standard_normal((k, 8)) for ph, k in (("prefill", n), ("decode", 1))
+              for L in range(3) for m in ("attn", "mlp", "resid")}
+    floor = {k: v + 1e-7 * rng.standard_normal(v.shape) for k, v in oracle.items()}
+    engine = {k: v * (1.01 if k.endswith(("L1.mlp", "L1.resid", "L2.attn", "L2.mlp", "L2.resid")) else 1.0)
+              + 1e-7 * rng.standard_normal(v.shape) for k, v in oracle.items()}
+    sites, per_pos = localize_sites(engine, oracle, floor)
+    return LocalizeRecord(engine={"profile": "vllm-cpu-fp32"}, oracle={"oracle": "oracle.hf", "precision": "fp32"},
+                          floor={"precision": "fp64"}, factor=10.0, prompt={"n_tokens": n},
+                          verdict=decide(sites, per_pos, list(range(n + 1))), sites=tuple(sites))
+
+
+class _Config:
+    def __init__(self, **opts):
+        self.opts = {"--engine-profile": None, "--engine-url": None, "--engine-flag": [], **opts}
+
+    def getoption(self, name):
+        return self.opts[name]
+
+
+def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path, monkeypatch):
+    from ds41gates.pipeline import write_report
+
+    ref, eng = _records()
+    run = GateRun(out_dir=tmp_path)
+    run.reference, run.engines = ref, [("vllm-cpu-fp32", eng)]
+    seen = {}
+
+    def runner(profile, ids, source, work, flags=(), engine_env=None):
+        seen.update(profile=profile, ids=ids, source=source, flags=flags, env=engine_env)
+        return {"run": _fake_localize_record(len(ids))}
+
+    monkeypatch.setenv("DS41_PERTURB_LAYER", "1")
+    monkeypatch.setenv("DS41_PERTURB_MODULE", "mlp")
+    data = localize_failed_gate(_Config(**{"--engine-flag": ["no_prefix_cache", "no_prefix_cache"]}), run, runner)
+    assert seen["profile"] == "vllm-cpu-fp32" and seen["source"]["seq_id"] == "s1" == data["seq_id"]
+    assert seen["ids"] == [int(t) for t in ref.token_ids[ref.seq_offsets[1]:ref.seq_offsets[2]]]
+    assert seen["flags"] == ("no_prefix_cache",) and seen["env"] == {"DS41_PERTURB_LAYER": "1",
+                                                                     "DS41_PERTURB_MODULE": "mlp"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    v = results["localize"]["verdict"]
+    assert (v["first_divergent_layer"], v["first_divergent_module"]) == (1, "mlp")
+    assert (tmp_path / "localize" / "localize.json").exists() and (tmp_path / "localize" / "localize.png").exists()
+    assert TITLE in run.report_sections and "layer 1, module mlp" in run.report_sections[TITLE]["note"]
+    paths = write_report(run.reference, run.engines, tmp_path, (), run.report_sections, plots=run.report_plots)
+    html = paths.html.read_text()
+    assert "Divergence localizer: s1" in html and TITLE in html
+
+
+def test_without_a_profile_an_engine_url_is_not_localized_and_a_failure_is_reported(tmp_path):
+    ref, eng = _records()
+    run = GateRun(out_dir=tmp_path)
+    run.reference, run.engines = ref, [("default", eng)]
+    assert localize_failed_gate(_Config(**{"--engine-url": "http://h:1"}), run, lambda *a, **k: pytest.fail()) is None
+    assert "not localized" in run.report_sections[TITLE]["note"]
+
+    def broken(*a, **k):
+        raise RuntimeError("engine died")
+
+    assert localize_failed_gate(_Config(), run, broken) is None
+    assert "engine died" in run.report_sections[TITLE]["note"]
+    assert json.loads((tmp_path / "results.json").read_text())["localize"]["error"].endswith("engine died")
