@@ -15,3 +15,19 @@ def one_line(exc: BaseException) -> str:
     """The first line of an error's message (multi-line details stay in the log, not on the terminal)."""
     text = str(exc).strip() or type(exc).__name__
     return text.split("\n")[0].rstrip("\r")
+
+
+class UnsafeNameError(UserError, ValueError):
+    """A name that becomes a file or folder name (profile, nightly run or cell, panel, engine label) is not a
+    plain name: it holds a path separator, `..`, or a character outside the safe set (core.paths.safe_name)."""
+
+
+class ResultsDirError(UserError):
+    """A results folder cannot hold this run: it holds another run's files (and replacing was not asked for),
+    it is not a folder, or it does not look like a results folder and so will not be cleared."""
+
+
+class OutputWriteError(UserError, OSError):
+    """A set of output files (report.json/.md/.html) could not be written as a whole (a full disk, a read-only
+    folder); the message names the folder and says what was left there. Being an OSError too, code that
+    catches OSError keeps working."""
