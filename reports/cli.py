@@ -17,7 +17,7 @@ from rich.text import Text
 from core.errors import UserError, one_line
 from core.records import Record, RecordError
 from core.redact import redact
-from reports.render import build_report, fmt, fmt_ci, fmt_p, fmt_pct
+from reports.render import ReportError, build_report, fmt, fmt_ci, fmt_p, fmt_pct
 
 
 def default_labels(paths: list[Path]) -> list[str]:
@@ -36,6 +36,21 @@ def require_side(rec: Record, side: str, path: Path, argument: str) -> None:
     if rec.provenance.side != side:
         raise RecordError(f"{path}: {argument} must be an {side} record, this one was written by the "
                           f"{rec.provenance.side} side (are REFERENCE and ENGINE swapped?)")
+
+
+def check_out_folder(out: Path) -> None:
+    """--out must be a folder (or not exist yet), and not the results folder of a gate run: a report of other
+    records written there would be read as that run's report."""
+    from core.paths import RUN_MARKER
+
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out}: exists and is not a folder (--out takes a folder for report.json/.md/.html)")
+    blocker = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if not out.exists() and blocker is not None and not blocker.is_dir():
+        raise ReportError(f"--out {out}: {blocker} is a file, not a folder")
+    if out.is_dir() and ((out / "results.json").exists() or (out / RUN_MARKER).exists()):
+        raise ReportError(f"--out {out}: is the results folder of a gate run (it holds results.json or {RUN_MARKER}); "
+                          "a report of these records there would read as that run's report — choose another --out")
 
 
 def summary_table(data: dict) -> Table:
@@ -87,6 +102,7 @@ def report_app(
         raise typer.BadParameter(f"{len(labels)} --label value(s) for {len(engine_records)} engine record(s); "
                                  "give one per record or none", param_hint="--label")
     try:
+        check_out_folder(out)
         ref = Record.load(reference)
         require_side(ref, "oracle", reference, "REFERENCE")
         engines = []

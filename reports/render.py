@@ -2,7 +2,8 @@
 
 `build_report(reference, [(label, engine_record), ...], out_dir, extra)` computes every metric with
 `core.metrics`, turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
-from that dict with jinja2 templates, and writes the three files atomically.
+from that dict with jinja2 templates, and writes the three files as one unit (`write_report_set`: all three
+or none, `report.manifest.json` last; `report_set_problems` checks a folder's set).
 
 Text taken from records, panels or `extra` is never trusted: the HTML environment autoescapes, and the
 Markdown environment escapes every `{{ ... }}` output through `md_escape` (pipes, angle brackets,
@@ -45,7 +46,7 @@ import numpy as np
 
 from core.errors import UserError
 from core import metrics
-from core.atomic import atomic_write_text
+from core.atomic import check_file_set, write_file_set
 from core.records import Record
 from core.redact import redact_data
 
@@ -386,12 +387,6 @@ def render_html(data: dict, plots: Mapping[str, str]) -> str:
 
 # ---------------------------------------------------------------------------- IO
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, text)
-    return path
-
-
 def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
                  extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
                  title: str | None = None, noise_floor: tuple[str, Record] | None = None,
@@ -407,7 +402,24 @@ def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: 
     images.update(extra_plots or {})   # {caption: base64 PNG} drawn by others (the divergence localizer)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")
-    write_text_atomic(paths.json, json.dumps(data, indent=1, allow_nan=False) + "\n")
-    write_text_atomic(paths.markdown, render_markdown(data))
-    write_text_atomic(paths.html, render_html(data, images))
+    write_report_set(paths, json.dumps(data, indent=1, allow_nan=False) + "\n", render_markdown(data),
+                     render_html(data, images))
     return paths
+
+
+REPORT_MANIFEST = "report.manifest.json"
+
+
+def write_report_set(paths: ReportPaths, json_text: str, markdown: str, html: str) -> None:
+    """The three files as one unit (core.atomic.write_file_set): all rendered first, then written in full
+    beside their targets, renamed, and `report.manifest.json` written last. A failure (a full disk) raises
+    OutputWriteError and leaves the previous set whole; never report.json of one run beside report.html of
+    another."""
+    write_file_set(paths.out_dir, {paths.json.name: json_text.encode("utf-8"),
+                                   paths.markdown.name: markdown.encode("utf-8"),
+                                   paths.html.name: html.encode("utf-8")}, REPORT_MANIFEST)
+
+
+def report_set_problems(out_dir: str | os.PathLike) -> list[str]:
+    """[] when `out_dir` holds one complete report set (its manifest matches every file), else the reasons."""
+    return check_file_set(out_dir, REPORT_MANIFEST)
