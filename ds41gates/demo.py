@@ -17,7 +17,10 @@ def demo_app(
     profile: list[str] = typer.Option([DEFAULT_PROFILE], "--profile", "-p",
                                       help="engine profile(s) to gate; repeat to compare several"),
     panel: str = typer.Option(pipeline.DEFAULT_PANEL, help="panel name[@version]"),
-    out: Optional[Path] = typer.Option(None, help="results folder (default results/<timestamp>)"),
+    out: Optional[Path] = typer.Option(None, help="results folder (default results/<timestamp>); must be new or "
+                                                   "empty: a results folder holds one run"),
+    replace_results: bool = typer.Option(False, "--replace-results",
+                                         help="clear an earlier run's results folder given as --out first"),
     k: int = typer.Option(DEFAULT_ENGINE_K, help="engine top-k per position"),
 ) -> None:
     """Oracle reference, engine run, KL panel gate and report on the embedded default model."""
@@ -27,7 +30,7 @@ def demo_app(
     from engine.launcher import EngineServer, load_profile
 
     console = Console()
-    out_dir = pipeline.results_dir(out)
+    out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
     model_dir = pipeline.default_model_dir()
     encoded = pipeline.encode_default_panel(panel, model_dir)
     ref, ref_path = pipeline.ensure_reference(encoded, model_dir)

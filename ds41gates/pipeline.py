@@ -6,13 +6,12 @@ suite run the same code path. IO (servers, files) stays here; metrics and verdic
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from core.paths import cache_dir
+from core.paths import cache_dir, claim_results_dir, fresh_results_dir, safe_name
 from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
 from engine.models import default_model_dir
@@ -96,6 +95,7 @@ def encode_default_panel(panel: str = DEFAULT_PANEL, model_dir: Path | None = No
 
 
 def reference_path(encoded, model_hash: str, top_k: int = ORACLE_TOP_K) -> Path:
+    safe_name(f"{encoded.panel_name}@{encoded.panel_version}", "panel name")   # part of a cache file name
     ph = encoded.panel_hash.split(":")[-1][:12]
     th = encoded.tokenizer_hash.split(":")[-1][:12]
     mh = model_hash.split(":")[-1][:12]
@@ -180,11 +180,10 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
     return build_report(ref, list(engines), out_dir, extra=sections, extra_plots=plots)
 
 
-def results_dir(base: str | os.PathLike | None = None) -> Path:
+def results_dir(base: str | os.PathLike | None = None, replace: bool = False, option: str = "--results") -> Path:
+    """The folder of this run, holding this run only: `base` claimed (core.paths.claim_results_dir: created,
+    or empty, or — with `replace` — an earlier results folder cleared first; anything else a ResultsDirError),
+    else a fresh `results/<timestamp>[-N]`."""
     if base:
-        path = Path(base)
-    else:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path("results") / stamp
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+        return claim_results_dir(base, replace=replace, option=option)
+    return fresh_results_dir(Path("results"))

@@ -24,7 +24,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--engine-flag", action="append", default=[],
                     help="profile flag the engine under test runs with (repeatable): the launched server gets it; "
                          "with --engine-url it says what that server runs with (per-flag bands and floors)")
-    group.addoption("--results", default=None, help="directory for this run's results and report")
+    group.addoption("--results", default=None, help="directory for this run's results and report: new or empty "
+                                                    "(a results folder holds one run); default results/<timestamp>")
+    group.addoption("--replace-results", action="store_true", default=False,
+                    help="--results names an earlier run's results folder: clear it first")
     group.addoption("--eval-baseline", default=None,
                     help="results folder of a known-good task-eval run (gates/test_task_evals.py pairs against it)")
 
@@ -153,13 +156,33 @@ def _opt(config: pytest.Config, name: str):
 
 @pytest.fixture(scope="session")
 def gate_run(request: pytest.FixtureRequest) -> GateRun:
+    return _gate_run_of(request.config)
+
+
+def _gate_run_of(config: pytest.Config) -> GateRun:
+    """This session's GateRun (one per session: results.json is rewritten after every gate within it); its
+    folder is claimed once, on first use (--results: new or empty, or cleared with --replace-results)."""
     from ds41gates.pipeline import results_dir
 
-    run = getattr(request.config, "_ds41_gate_run", None)   # may exist already: see _note_gate_outcome
+    run = getattr(config, "_ds41_gate_run", None)
     if run is None:
-        run = GateRun(out_dir=results_dir(_opt(request.config, "--results")))
-        request.config._ds41_gate_run = run
+        out = getattr(config, "_ds41_results_dir", None) or results_dir(None)
+        run = config._ds41_gate_run = GateRun(out_dir=out)
     return run
+
+
+def _claim_results(config: pytest.Config) -> None:
+    """--results is claimed at configure time, before any gate or engine runs: a folder holding another run is
+    a usage error (unless --replace-results, which clears it now), so this run's results.json never lies
+    beside an earlier run's report. Without --results the fresh results/<timestamp> is made on first use."""
+    from ds41gates.pipeline import results_dir
+
+    given = config.getoption("--results")
+    if given:
+        try:
+            config._ds41_results_dir = results_dir(given, replace=config.getoption("--replace-results"))
+        except UserError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 @pytest.fixture(scope="session")
@@ -359,12 +382,13 @@ def engine_endpoint(request: pytest.FixtureRequest):
 
         if not _opt(request.config, "--reference") and served_model(profile) is None:
             _require_default_model(request.config, url, models)
-        kind = "vllm"
+        kind, label = "vllm", "default"
         if profile:
             from engine.launcher import load_profile
 
-            kind = load_profile(profile).engine or kind
-        yield EngineEndpoint(root, models[0], profile or "default", engine=kind, flags=engine_flags)
+            prof = load_profile(profile)   # a path (../x.toml) labels the record by the profile's checked name
+            kind, label = prof.engine or kind, prof.name
+        yield EngineEndpoint(root, models[0], label, engine=kind, flags=engine_flags)
         return
     server, endpoint = launch_endpoint(profile or DEFAULT_PROFILE, flags=engine_flags)
     try:
@@ -387,8 +411,11 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
     """The engine's record of the panel positions, saved beside the results."""
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
+    from core.paths import safe_name
+
+    label = safe_name(engine_endpoint.profile, "engine label")   # becomes a file name in the results folder
     rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
-    rec.save(gate_run.out_dir / f"engine-{engine_endpoint.profile}.safetensors")
+    rec.save(gate_run.out_dir / f"engine-{label}.safetensors")
     gate_run.engines.append((engine_endpoint.profile, rec))
     return rec
 
@@ -420,11 +447,7 @@ OUTCOMES_TITLE = "Gate outcomes"
 def _note_gate_outcome(item: pytest.Item, call, report) -> None:
     if report.when == "setup" and report.passed:
         return
-    run = getattr(item.config, "_ds41_gate_run", None)
-    if run is None:   # a gate that errored before the session's GateRun existed still gets a results.json
-        from ds41gates.pipeline import results_dir
-
-        run = item.config._ds41_gate_run = GateRun(out_dir=results_dir(_opt(item.config, "--results")))
+    run = _gate_run_of(item.config)   # a gate that errored before the GateRun existed still gets a results.json
     prev = run.outcomes.get(item.nodeid)
     if report.when == "teardown" and (report.passed or (prev and prev["outcome"] != "passed")):
         return   # a clean teardown, or one after a failure/error already recorded, changes nothing
@@ -482,6 +505,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the
     _flag_ab_addoption(parser)
 
 
+def _check_engine_profile(config: pytest.Config) -> None:
+    """--engine-profile loads (its name is checked: it becomes the engine record's file name) before any gate."""
+    name = config.getoption("--engine-profile")
+    if not name:
+        return
+    from engine.launcher import ProfileError, load_profile
+
+    try:
+        load_profile(name)
+    except ProfileError as exc:
+        raise pytest.UsageError(f"--engine-profile: {exc}") from None
+
+
 def _check_engine_flags(config: pytest.Config) -> None:
     """An --engine-flag the profile does not define is a usage error now, before any server starts."""
     flags = config.getoption("--engine-flag")
@@ -525,7 +561,9 @@ _plain_configure = pytest_configure
 def pytest_configure(config: pytest.Config) -> None:  # noqa: F811 - extends the configure above
     _plain_configure(config)
     _check_requested_flags(config)
+    _check_engine_profile(config)
     _check_engine_flags(config)
+    _claim_results(config)
 
 
 def _needed_by_no_flag(item: pytest.Item) -> bool:
