@@ -14,6 +14,7 @@ A profile (``engine/profiles/<name>.toml``) says what to run::
     stop_grace_s = 20
     log_file = "{cache}/logs/{profile}-{stamp}.log"
     unset_env = ["PYTHONPATH"]           # removed from the inherited environment
+    allow_env = []                       # loader/interpreter variables this profile may set (see LOADER_ENV)
     [env]
     HF_HUB_OFFLINE = "1"
     [flags.VLLM_DS41_SOMETHING]          # turned on per launch: EngineServer(..., flags=[...])
@@ -58,7 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from core.errors import UserError
+from core.errors import UnsafeNameError, UserError
+from core.paths import safe_name
 from core.redact import REDACTED, SECRET_NAME, redact, register_secret
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -156,8 +158,37 @@ def _str_map(data: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
 
 _TOP_KEYS = {
     "name", "engine", "served_model", "command", "args", "env", "unset_env", "host", "port",
-    "health_url", "start_timeout_s", "stop_grace_s", "log_file", "flags", "description",
+    "health_url", "start_timeout_s", "stop_grace_s", "log_file", "flags", "description", "allow_env",
 }
+
+# Variables that choose which code the engine's loader or interpreter runs (a preloaded library, a library or
+# module search path, a start-up script). A profile setting one is refused unless it lists the name in
+# `allow_env`, or the value names only folders of this checkout (`{repo}/...`, no `..`): the harness's own
+# code, as vllm-cpu-dsv4's PYTHONPATH = "{repo}/engine/vllm_dsv4" (its sitecustomize). Removing one
+# (`unset_env`) is always fine. The same rule holds for a nightly cell's env (nightly/runner.py).
+LOADER_ENV = frozenset({"PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+                        "BASH_ENV", "ENV"})
+LOADER_ENV_PREFIXES = ("LD_", "DYLD_")
+
+
+def is_loader_env(name: str) -> bool:
+    return name in LOADER_ENV or name.startswith(LOADER_ENV_PREFIXES)
+
+
+def _inside_repo(value: str) -> bool:
+    parts = value.split(os.pathsep)
+    return bool(parts) and all(p.startswith("{repo}/") and ".." not in p for p in parts)
+
+
+def check_loader_env(env: Mapping[str, str], allow: Sequence[str], where: str,
+                     error: type[Exception] | None = None) -> None:
+    """Refuse (ProfileError, or `error`) an entry of `env` that hijacks the loader or interpreter (LOADER_ENV,
+    LD_*, DYLD_*) unless `allow` names it or its value names only `{repo}/...` folders."""
+    for name, value in env.items():
+        if is_loader_env(name) and name not in allow and not _inside_repo(str(value)):
+            raise (error or ProfileError)(
+                f"{where}: env {name} changes which code the engine's loader or interpreter runs; refused "
+                f"(list it in allow_env = [\"{name}\"] if this profile really needs it)")
 
 
 def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_name: str = "") -> Profile:
@@ -166,6 +197,12 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ProfileError(f"{where}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
+    name = str(data.get("name") or default_name)
+    try:
+        safe_name(name, "profile name")   # becomes file names: engine-<name>.safetensors, the launcher log
+    except UnsafeNameError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+    allow_env = _str_list(data, "allow_env", where)
     command = _str_list(data, "command", where)
     if not command:
         raise ProfileError(f"{where}: 'command' is required and must not be empty")
@@ -178,6 +215,7 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
         if not isinstance(spec, dict) or set(spec) - {"env", "args"}:
             raise ProfileError(f"{fwhere}: a flag table holds only 'env' and 'args', got {spec!r}")
         flags[flag] = FlagSpec(env=_str_map(spec, "env", fwhere), args=_str_list(spec, "args", fwhere))
+        check_loader_env(flags[flag].env, allow_env, fwhere)
     port = data.get("port", 0)
     if not isinstance(port, int) or not 0 <= port < 65536:
         raise ProfileError(f"{where}: 'port' must be an integer in [0, 65535], got {port!r}")
@@ -192,11 +230,13 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
             if not isinstance(data[key], (int, float)) or data[key] <= 0:
                 raise ProfileError(f"{where}: {key!r} must be a positive number, got {data[key]!r}")
             kwargs[key] = float(data[key])
+    env = _str_map(data, "env", where)
+    check_loader_env(env, allow_env, where)
     return Profile(
-        name=str(data.get("name") or default_name),
+        name=name,
         command=command,
         args=_str_list(data, "args", where),
-        env=_str_map(data, "env", where),
+        env=env,
         unset_env=_str_list(data, "unset_env", where),
         port=port,
         flags=flags,

@@ -60,8 +60,8 @@ import numpy as np
 
 from core import metrics
 from core.atomic import atomic_write_text
-from core.errors import UserError
-from core.paths import repo_root
+from core.errors import UnsafeNameError, UserError
+from core.paths import repo_root, safe_name
 from core.redact import SECRET_NAME, known_secrets, redact, redact_command, redact_data, register_argv, \
     register_secret, scrub_file
 from core.tomlfile import read_toml
@@ -123,6 +123,13 @@ def _resolve_profile(profile: str, base: Path) -> str:
     return profile
 
 
+def _safe(name: str, what: str) -> str:
+    try:
+        return safe_name(name, what)
+    except UnsafeNameError as exc:
+        raise NightlyConfigError(str(exc)) from None
+
+
 def cell_name(profile: str, flags: Sequence[str]) -> str:
     stem = Path(profile).stem if profile.endswith(".toml") else profile
     return "+".join([stem, *flags])
@@ -148,6 +155,7 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
     name = top.get("name", Path(path).stem)
     if not isinstance(name, str) or not name.strip():
         raise NightlyConfigError(f"{path}: nightly.name must be a non-empty string, got {name!r}")
+    _safe(name, f"{path}: nightly.name")   # the run folder is --out/<name>-<stamp>
     gates = _strs(top.get("gates", list(DEFAULT_GATES)), f"{path}: nightly.gates")
     registry = _strs(top.get("registry", []), f"{path}: nightly.registry")
     pytest_args = _strs(top.get("pytest_args", []), f"{path}: nightly.pytest_args")
@@ -193,10 +201,15 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
         env = c.get("env", {})
         if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
             raise NightlyConfigError(f"{where}.env must be a table of strings")
+        from engine.launcher import check_loader_env
+
+        check_loader_env(env, (), f"{where}", NightlyConfigError)
         cells.append(Cell(str(c.get("name") or cell_name(c["profile"], flags)), _resolve_profile(c["profile"], base),
                           flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env)))
     if not cells:
         raise NightlyConfigError(f"{path}: no cells: give [matrix] profiles or [[cells]]")
+    for c in cells:
+        _safe(c.name, f"{path}: cell name")   # each cell's results folder is <run folder>/<cell name>
     names = [c.name for c in cells]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -487,6 +500,8 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
                 only: Sequence[str] = (), echo: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> NightlyResult:
     started = _now()
     db, out_root = Path(db).resolve(), Path(out_root).resolve()  # the cells' pytest runs in the repo root
+    if out_root.exists() and not out_root.is_dir():
+        raise NightlyConfigError(f"--out {out_root}: exists and is not a folder (it takes a folder for the runs)")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = out_root / f"{cfg.name}-{stamp}"
     n = 1
@@ -501,13 +516,21 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
                                  f"cells: {[c.name for c in cfg.cells]}")
     records: list[H.CellRecord] = []
     for cell in cells:
+        # a new, empty folder per cell (names are checked, duplicates refused): it holds this cell's run only;
+        # the cell's pytest claims it (--results), so its log is written beside it until pytest has finished
         cell_dir = run_dir / cell.name
         cell_dir.mkdir(parents=True)
         argv = cell_argv(cfg, cell, cell_dir)
         env = {**os.environ, **cell.env, "DS41_NIGHTLY": "1"}
         echo(redact(f"nightly: cell {cell.name}: {redact_command(argv[1:])}"))
         t0 = time.monotonic()
-        code = runner(argv, env, cell_dir / "pytest.log", cfg.cell_timeout_s)
+        log = run_dir / f".{cell.name}.pytest.log"
+        try:
+            code = runner(argv, env, log, cfg.cell_timeout_s)
+        finally:
+            if log.exists():
+                cell_dir.mkdir(parents=True, exist_ok=True)
+                os.replace(log, cell_dir / "pytest.log")
         scrub_cell_dir(cell_dir)
         rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0)
         echo(redact(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
@@ -564,9 +587,13 @@ def render_markdown(data: Mapping[str, Any]) -> str:
     for c in data["cells"]:
         passed = sum(g["outcome"] == "passed" for g in c["gates"])
         report = Path(c["results_dir"]) / "report.html"
+        shown = "—"
+        if report.exists():   # linked only when it is one complete report set (reports.render manifest)
+            from reports.render import report_set_problems
+
+            shown = report.name if not report_set_problems(report.parent) else "incomplete"
         lines.append(f"| {c['cell']} | {Path(c['profile']).name} | {' '.join(c['flags']) or '—'} | "
-                     f"{passed}/{len(c['gates'])} | {c['baseline_run'] or '—'} | {c['duration_s']} | "
-                     f"{report.name if report.exists() else '—'} |")
+                     f"{passed}/{len(c['gates'])} | {c['baseline_run'] or '—'} | {c['duration_s']} | {shown} |")
     verdicts = [(c["cell"], v) for c in data["cells"] for v in c["flag_verdicts"]]
     if verdicts:
         lines += ["", "## Flag verdicts", "", "| cell | flag | class | gate | verdict | why |", "|---|---|---|---|---|---|"]
