@@ -226,8 +226,14 @@ class Attention:
             latent = qdq4e(num.r(num.rope(latent, gcis)), 16)
             cache.compress_kv = latent if cache.compress_kv is None or start_pos == 0 else \
                 torch.cat([cache.compress_kv, latent], dim=1)
-        owner = shared.caches[cfg.kv_source_for(L)]
-        ckv = owner.compress_kv if owner.compress_kv is not None else x.new_zeros(b, 0, cfg.head_dim)
+        src = cfg.kv_source_for(L)
+        if src is None:
+            raise RuntimeError(f"layer {L}: no KV source layer of ratio {r} at or before it (§3.1)")
+        # a source that has not compressed a group yet (a sequence shorter than the ratio, a 1-token one) may
+        # have no cache entry at all: the streamed runner stores only caches that hold a tensor
+        owner = shared.caches.get(src)
+        ckv = owner.compress_kv if owner is not None and owner.compress_kv is not None \
+            else x.new_zeros(b, 0, cfg.head_dim)
         if ckv.shape[1] < compress_len:
             raise RuntimeError(f"layer {L}: compressed cache has {ckv.shape[1]} rows, needs {compress_len}")
         return ckv[:, :compress_len], cidx
