@@ -274,7 +274,12 @@ def _judge_plus(problem: CodeProblem, code: str, inputs: list, expected: list, l
 
 
 def _short(v: Any) -> str:
-    text = repr(v)
+    if type(v) is int and v.bit_length() > plain.BIG_INT_BITS:
+        return f"<an int of {v.bit_length()} bits>"
+    try:
+        text = repr(v)          # builtin values only: runs none of the solution's code
+    except ValueError:          # an int past the decimal-conversion limit inside a container
+        return f"<a {type(v).__name__} holding a very large int>"
     return text if len(text) <= 120 else text[:117] + "..."
 
 

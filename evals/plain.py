@@ -8,7 +8,8 @@ A *plain value* is built only from the exact builtin types ``None, bool, int, fl
   exponent, so ``1`` and ``1.0`` stay an int and a float);
 * every other value is a JSON object with exactly one key naming its type: ``{"tuple": [...]}``,
   ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"dict": [[key, value], ...]}``, ``{"float": "nan" | "inf" |
-  "-inf"}``.
+  "-inf"}``, and ``{"int": "0x..."}`` for an int of more than `BIG_INT_BITS` bits (hexadecimal converts in linear
+  time and is not subject to Python's 4300-digit limit on decimal conversion, which a big factorial passes).
 
 Decoding refuses anything else: JSON's ``NaN`` / ``Infinity`` constants, duplicate keys, an object that is not
 one of the tags, an unhashable set element or dict key, nesting deeper than `MAX_DEPTH`, a line that is not
@@ -23,10 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 MAX_DEPTH = 100
-_TAGS = ("tuple", "set", "frozenset", "dict", "float")
+BIG_INT_BITS = 10_000           # about 3,000 decimal digits; larger ints cross as hexadecimal
+_TAGS = ("tuple", "set", "frozenset", "dict", "float", "int")
+_HEX = re.compile(r"-?0x[0-9a-f]+")
 
 
 class NotPlain(ValueError):
@@ -36,6 +40,8 @@ class NotPlain(ValueError):
 def encode(value, depth=0):
     """A plain value → its JSON-ready form; anything else raises `NotPlain` naming the type."""
     t = type(value)
+    if t is int and value.bit_length() > BIG_INT_BITS:
+        return {"int": hex(value)}
     if value is None or t is bool or t is int or t is str:
         return value
     if t is float:
@@ -71,6 +77,10 @@ def decode(obj, depth=0):
     if t is not dict or len(obj) != 1:
         raise NotPlain(f"not a plain value: {type(obj).__name__} {str(obj)[:60]}")
     (tag, payload), = obj.items()
+    if tag == "int":
+        if type(payload) is not str or not _HEX.fullmatch(payload):
+            raise NotPlain("int tag without a hexadecimal string")
+        return int(payload, 16)
     if tag == "float":
         if payload not in ("nan", "inf", "-inf"):
             raise NotPlain(f"float tag with {str(payload)[:20]!r}")

@@ -275,7 +275,7 @@ def test_a_secret_never_reaches_the_generations_file(canaries, tmp_path):
 def test_plain_json_round_trips_builtin_values_and_refuses_the_rest():
     from evals import plain
 
-    values = [None, True, 0, -7, 2 ** 100, 1.0, -0.5, float("inf"), float("-inf"), "é\u2028\ud800", [1, [2.5]],
+    values = [None, True, 0, -7, 2 ** 100, 3 ** 40_000, -(7 ** 9_000), 1.0, -0.5, float("inf"), float("-inf"), "é\u2028\ud800", [1, [2.5]],
               (1, "a"), {1, 2}, frozenset({"x"}), {"k": (1,), 2: [None]}, [], (), {}]
     for v in values:
         back = plain.decode(plain.loads(plain.dumps({"ok": plain.encode(v)}))["ok"])
@@ -290,7 +290,7 @@ def test_plain_json_round_trips_builtin_values_and_refuses_the_rest():
         with pytest.raises(plain.NotPlain):
             msg = plain.loads(line)
             plain.decode(msg["ok"])
-    for obj in ({"list": [1]}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"float": "1.5"}, {"tuple": 3}):
+    for obj in ({"int": "12"}, {"int": "0x1g"}, {"list": [1]}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"float": "1.5"}, {"tuple": 3}):
         with pytest.raises(plain.NotPlain):
             plain.decode(obj)
 
@@ -318,3 +318,15 @@ def test_evalplus_semantics_in_the_harness():
     assert same_output(mb, "surface_Area", [3, 4], 35, 30, 0.5)   # round(9 + 6 * sqrt(18.25)) = 35
     assert not same_output(mb, "surface_Area", [3, 4], 36, 30, 0.5)
     assert same_output(mb, "digit_distance_nums", [123, 256], 7, 9, 0)
+
+
+def test_big_ints_cross_both_ways():
+    # 3 ** 30000 has 14,314 digits: past Python's 4,300-digit limit on decimal conversion
+    big = CodeProblem("Big/0", "def big(n):\n    pass\n", "big", "    return 3 ** n\n",
+                      base_input=([30000], [5]), plus_input=([40000],))
+    right, wrong = _block("def big(n):\n    return 3 ** n\n"), _block("def big(n):\n    return 3 ** n + 1\n")
+    assert (score_solution(big, right, FAST).base, score_solution(big, right, FAST).plus) == (True, True)
+    assert score_solution(big, wrong, FAST).base is False
+    he = CodeProblem("Test/big", "def big(n):\n    pass\n", "big", "    return 3 ** n\n",
+                     test="def check(candidate):\n    assert candidate(30000) == 3 ** 30000\n")
+    assert score_solution(he, right, FAST).base is True and score_solution(he, wrong, FAST).base is False
