@@ -95,16 +95,17 @@ def answer_budget(body: Mapping[str, Any]) -> int:
 
 class _Deadline:
     """The total deadline of one request attempt. httpx times each read, so a server that sends a byte now and
-    then never trips it; this timer shuts the attempt's socket down when the deadline passes (headers or body),
-    and the body stream checks it between chunks. Armed when the connection is made (httpcore's ``trace``
-    extension hands over the socket), disarmed when the response is closed."""
+    then never trips it; a timer shuts the attempt's socket down when the deadline passes (headers or body), and
+    the body stream checks it between chunks. Armed for each connection the attempt opens (httpcore's ``trace``
+    extension hands over the socket; no keep-alive, so a connection is never shared with another attempt),
+    disarmed when its response is closed."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.t_end = time.monotonic() + seconds
         self.fired = False
         self._timer: threading.Timer | None = None
-        self._closed = False
+        self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
     def expired(self) -> bool:
@@ -115,17 +116,20 @@ class _Deadline:
     def trace(self, event: str, info: dict) -> None:
         if event == "connection.connect_tcp.complete":
             sock = info["return_value"].get_extra_info("socket")
-            with self._lock:
-                if sock is not None and not self._closed and self._timer is None:
-                    self._timer = threading.Timer(max(0.0, self.t_end - time.monotonic()), self._fire, (sock,))
-                    self._timer.daemon = True
-                    self._timer.start()
+            if sock is not None:
+                timer = threading.Timer(max(0.0, self.t_end - time.monotonic()), self._fire, (sock,))
+                timer.daemon = True
+                with self._lock:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._timer, self._sock = timer, sock
+                timer.start()
         elif event == "http11.response_closed.complete":
             self.cancel()
 
     def _fire(self, sock: socket.socket) -> None:
         with self._lock:
-            if self._closed:
+            if self._sock is not sock:    # disarmed, or another connection of the attempt is current
                 return
             self.fired = True
             try:
@@ -135,9 +139,9 @@ class _Deadline:
 
     def cancel(self) -> None:
         with self._lock:
-            self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
+            self._timer, self._sock = None, None
 
     def timeout(self) -> httpx.ReadTimeout:
         return httpx.ReadTimeout(f"no complete answer within the total deadline of {self.seconds:g} s per request")
@@ -208,13 +212,13 @@ class _OriginGuard:
     def on_response(self, response: httpx.Response) -> None:
         request = response.request
         url = _bare(request.url)
-        if response.has_redirect_location:
+        redirect = response.has_redirect_location
+        if redirect:
             location = response.headers["location"][:300]
             target = origin_of(request.url.join(location))
             same = target == self.origin
             if not (same and self.same_origin_redirects):
                 raise EngineRedirectRefused(response.status_code, url, location, self.origin, target, same)
-            return
         encoding = response.headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
             raise EngineBodyRefused(url, f"Content-Encoding {encoding[:40]!r} was not asked for (the client asks for "
@@ -224,6 +228,8 @@ class _OriginGuard:
         if declared.isdigit() and int(declared) > limit:
             raise EngineLimitExceeded("body", url, int(declared), limit)
         response.stream = _CappedStream(response.stream, limit, self._current(), url)
+        if redirect:   # followed within the origin (httpx reads this body first, capped like any other)
+            return
         stream = response.extensions.get("network_stream")
         peer = stream.get_extra_info("server_addr") if stream is not None else None
         with self._lock:
@@ -321,8 +327,7 @@ class EngineClient:
         # our own httpx client: no redirect to another origin, no compression, capped bodies, a total deadline;
         # no keep-alive, so every attempt's connection is its own (the deadline's timer owns that socket)
         http = httpx.Client(timeout=timeout, follow_redirects=config.same_origin_redirects, max_redirects=3,
-                            limits=httpx.Limits(max_connections=max(8, 2 * config.max_concurrency),
-                                                max_keepalive_connections=0),
+                            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0),  # openai's cap
                             headers={"Accept-Encoding": "identity"},
                             event_hooks={"request": [self._guard.on_request], "response": [self._guard.on_response]})
         self._openai = openai.OpenAI(base_url=root + "/v1", api_key=config.api_key, max_retries=0, timeout=timeout,
