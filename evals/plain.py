@@ -1,15 +1,19 @@
 """Plain values as JSON, strict both ways: the only thing that crosses out of a sandbox running generated code.
 
-A *plain value* is built only from the exact builtin types ``None, bool, int, float, str`` and the containers
-``list, tuple, set, frozenset, dict`` of plain values (subclasses are not plain: an ``int`` subclass whose
-``__eq__`` is always True is refused, not trusted). On the wire:
+A *plain value* is built from ``None, bool, int, float, complex, str, bytes`` and the containers ``list, tuple,
+set, frozenset, dict`` of plain values. A subclass of one of these crosses as the builtin value it holds, read
+with the base type's own methods (``int.__add__(v, 0)``, ``list.__iter__``, ``dict.items`` …), so none of its
+own methods run and nothing of it survives the trip: an ``int`` subclass whose ``__eq__`` is always True crosses
+as the plain int it wraps, a ``Counter`` as a dict, a namedtuple as a tuple. Any other type is not plain. On the
+wire:
 
 * ``None``, ``bool``, ``int``, ``str``, finite ``float`` and ``list``: JSON's own (a float keeps its ``.0`` /
   exponent, so ``1`` and ``1.0`` stay an int and a float);
 * every other value is a JSON object with exactly one key naming its type: ``{"tuple": [...]}``,
   ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"dict": [[key, value], ...]}``, ``{"float": "nan" | "inf" |
-  "-inf"}``, and ``{"int": "0x..."}`` for an int of more than `BIG_INT_BITS` bits (hexadecimal converts in linear
-  time and is not subject to Python's 4300-digit limit on decimal conversion, which a big factorial passes).
+  "-inf"}``, ``{"complex": [re, im]}``, ``{"bytes": "<hex>"}`` (a bytearray crosses as bytes), and
+  ``{"int": "0x..."}`` for an int of more than `BIG_INT_BITS` bits (hexadecimal converts in linear time and is
+  not subject to Python's 4300-digit limit on decimal conversion, which a big factorial passes).
 
 Decoding refuses anything else: JSON's ``NaN`` / ``Infinity`` constants, duplicate keys, an object that is not
 one of the tags, an unhashable set element or dict key, nesting deeper than `MAX_DEPTH`, a line that is not
@@ -29,8 +33,9 @@ from pathlib import Path
 
 MAX_DEPTH = 100
 BIG_INT_BITS = 10_000           # about 3,000 decimal digits; larger ints cross as hexadecimal
-_TAGS = ("tuple", "set", "frozenset", "dict", "float", "int")
+_TAGS = ("tuple", "set", "frozenset", "dict", "float", "int", "bytes", "complex")
 _HEX = re.compile(r"-?0x[0-9a-f]+")
+_HEXBYTES = re.compile(r"(?:[0-9a-f]{2})*")
 
 
 class NotPlain(ValueError):
@@ -40,24 +45,34 @@ class NotPlain(ValueError):
 def encode(value, depth=0):
     """A plain value → its JSON-ready form; anything else raises `NotPlain` naming the type."""
     t = type(value)
-    if t is int and value.bit_length() > BIG_INT_BITS:
-        return {"int": hex(value)}
-    if value is None or t is bool or t is int or t is str:
+    if value is None or t is bool:
         return value
-    if t is float:
-        if math.isfinite(value):
-            return value
-        return {"float": "nan" if value != value else ("inf" if value > 0 else "-inf")}
+    if issubclass(t, int):
+        v = value if t is int else int.__add__(value, 0)
+        return {"int": hex(v)} if v.bit_length() > BIG_INT_BITS else v
+    if issubclass(t, float):
+        v = value if t is float else float.__mul__(value, 1.0)
+        if math.isfinite(v):
+            return v
+        return {"float": "nan" if v != v else ("inf" if v > 0 else "-inf")}
+    if issubclass(t, str):
+        return value if t is str else str.__str__(value)
+    if issubclass(t, complex):
+        return {"complex": [encode(complex.real.__get__(value)), encode(complex.imag.__get__(value))]}
+    if issubclass(t, (bytes, bytearray)):
+        return {"bytes": (bytes.hex if issubclass(t, bytes) else bytearray.hex)(value)}
     if depth >= MAX_DEPTH:
         raise NotPlain(f"nested deeper than {MAX_DEPTH} levels")
-    if t is list:
-        return [encode(v, depth + 1) for v in value]
-    if t is tuple:
-        return {"tuple": [encode(v, depth + 1) for v in value]}
-    if t is set or t is frozenset:
-        return {t.__name__: [encode(v, depth + 1) for v in value]}
-    if t is dict:
-        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if issubclass(t, list):
+        return [encode(v, depth + 1) for v in list.__iter__(value)]
+    if issubclass(t, tuple):
+        return {"tuple": [encode(v, depth + 1) for v in tuple.__iter__(value)]}
+    if issubclass(t, frozenset):
+        return {"frozenset": [encode(v, depth + 1) for v in frozenset.__iter__(value)]}
+    if issubclass(t, set):
+        return {"set": [encode(v, depth + 1) for v in set.__iter__(value)]}
+    if issubclass(t, dict):
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]}
     raise NotPlain(f"a {t.__module__}.{t.__qualname__} is not a plain value")
 
 
@@ -81,6 +96,17 @@ def decode(obj, depth=0):
         if type(payload) is not str or not _HEX.fullmatch(payload):
             raise NotPlain("int tag without a hexadecimal string")
         return int(payload, 16)
+    if tag == "bytes":
+        if type(payload) is not str or not _HEXBYTES.fullmatch(payload):
+            raise NotPlain("bytes tag without an even-length hexadecimal string")
+        return bytes.fromhex(payload)
+    if tag == "complex":
+        if type(payload) is not list or len(payload) != 2:
+            raise NotPlain("complex tag without [re, im]")
+        re_, im = decode(payload[0], depth + 1), decode(payload[1], depth + 1)
+        if type(re_) is not float or type(im) is not float:
+            raise NotPlain("complex parts must be floats")
+        return complex(re_, im)
     if tag == "float":
         if payload not in ("nan", "inf", "-inf"):
             raise NotPlain(f"float tag with {str(payload)[:20]!r}")

@@ -102,8 +102,8 @@ class GenerationStore:
             if first:
                 if obj.get("header") != self._header_out:
                     raise EvalRunMismatch(
-                        f"{self.path}: holds generations of another run ({_diff(obj.get('header'), self._header_out)}); "
-                        "use another --out or delete the file")
+                        f"{self.path}: holds generations of another run "
+                        f"({_diff(obj.get('header'), self._header_out)}); use another --out or delete the file")
                 first = False
             else:
                 self.done[obj["id"]] = obj

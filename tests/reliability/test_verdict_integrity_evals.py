@@ -111,7 +111,7 @@ def test_correct_solutions_still_pass(add_problem):
     assert score_solution(INC, _block(chatty), FAST).base is True
 
 
-# ---------------------------------------------------------------------------------------------- (a), (b): exits and tokens
+# ------------------------------------------------------------------------------------------ (a), (b): exits and tokens
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_exit_and_token_tricks_do_not_pass_humaneval(attack):
     got = score_solution(INC, _block(ATTACKS[attack] + WRONG_INC), FAST)
@@ -131,7 +131,7 @@ def test_a_hook_in_the_solution_cannot_turn_a_later_failure_into_a_pass():
     assert score_solution(INC, _block(body), FAST).base is False
 
 
-# ---------------------------------------------------------------------------------------------- (c): always-equal objects
+# ------------------------------------------------------------------------------------------ (c): always-equal objects
 @pytest.mark.parametrize("kind", sorted(ALWAYS_EQUAL))
 def test_an_always_equal_object_does_not_pass_humaneval(kind):
     got = score_solution(INC, _block(ALWAYS_EQUAL[kind] + "def inc(x):\n    return _VALUE\n"), FAST)
@@ -275,22 +275,43 @@ def test_a_secret_never_reaches_the_generations_file(canaries, tmp_path):
 def test_plain_json_round_trips_builtin_values_and_refuses_the_rest():
     from evals import plain
 
-    values = [None, True, 0, -7, 2 ** 100, 3 ** 40_000, -(7 ** 9_000), 1.0, -0.5, float("inf"), float("-inf"), "é\u2028\ud800", [1, [2.5]],
-              (1, "a"), {1, 2}, frozenset({"x"}), {"k": (1,), 2: [None]}, [], (), {}]
+    values = [None, True, 0, -7, 2 ** 100, 3 ** 40_000, -(7 ** 9_000), 1.0, -0.5, float("inf"), float("-inf"),
+              "é\u2028\ud800", b"\x00\xff", 1.5 - 2j, [1, [2.5]], (1, "a"), {1, 2}, frozenset({"x"}),
+              {"k": (1,), 2: [None]}, [], (), {}]
     for v in values:
         back = plain.decode(plain.loads(plain.dumps({"ok": plain.encode(v)}))["ok"])
         assert back == v and type(back) is type(v)
     nan = plain.decode(plain.loads(plain.dumps({"ok": plain.encode(float("nan"))}))["ok"])
     assert nan != nan
-    for bad in (object(), (x for x in ()), True.__class__, type("I", (int,), {})(3), [1, object()], b"bytes"):
+    for bad in (object(), (x for x in ()), True.__class__, [1, object()], range(3), {1: iter([])}):
         with pytest.raises(plain.NotPlain):
             plain.encode(bad)
+    # a subclass crosses as the builtin value it holds, read with the base type's methods (none of its own run)
+    import collections
+
+    class Rigged(int):
+        def __eq__(self, other):
+            return True
+        __hash__ = int.__hash__
+
+        def __add__(self, other):
+            return 99
+
+    class RiggedList(list):
+        def __iter__(self):
+            return iter([99])
+
+    for sub, want in ((Rigged(3), 3), (RiggedList([1, 2]), [1, 2]), (collections.Counter("aab"), {"a": 2, "b": 1}),
+                      (collections.namedtuple("P", "x y")(1, 2), (1, 2)), (bytearray(b"\x00a"), b"\x00a")):
+        back = plain.decode(plain.encode(sub))
+        assert back == want and type(back) is type(want), sub
     for line in (b'{"ok": NaN}', b'{"ok": 1, "ok": 2}', b'{"ok": {"tuple": [1], "set": []}}', b"\xff",
                  b'{"ok": 1} {"ok": 2}', b"[" * 100_000):
         with pytest.raises(plain.NotPlain):
             msg = plain.loads(line)
             plain.decode(msg["ok"])
-    for obj in ({"int": "12"}, {"int": "0x1g"}, {"list": [1]}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"float": "1.5"}, {"tuple": 3}):
+    for obj in ({"int": "12"}, {"int": "0x1g"}, {"bytes": "abc"}, {"complex": [1, 2]}, {"complex": [1.0]},
+                {"list": [1]}, {"set": [[1]]}, {"dict": [[[1], 2]]}, {"float": "1.5"}, {"tuple": 3}):
         with pytest.raises(plain.NotPlain):
             plain.decode(obj)
 
