@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from core.errors import UserError
+
 
 class Malformed(str, enum.Enum):
     """What is wrong with a response. Values are stable identifiers (used in reports and tests)."""
@@ -132,10 +134,13 @@ class UnsupportedSurface(EngineError):
     """The adapter's engine does not offer what was asked (e.g. streaming prompt logprobs)."""
 
 
-class EngineRedirectRefused(EngineError):
+class EngineRedirectRefused(EngineError, UserError):
     """The engine answered with a redirect the client does not follow: to another origin (scheme, host, port)
     always — a verdict must come from the engine that was named — and within the origin unless the client was
-    configured for it (``ClientConfig.same_origin_redirects``). Names both origins."""
+    configured for it (``ClientConfig.same_origin_redirects``). Names both origins.
+
+    This and the two refusals below are also `UserError`s: the engine at the URL the user named answered with
+    something no verdict may rest on, and ``ds41gate`` prints them as one line, exit 2."""
 
     def __init__(self, status: int, url: str, location: str, from_origin: str, to_origin: str, same_origin: bool):
         self.status = status
@@ -152,7 +157,7 @@ class EngineRedirectRefused(EngineError):
         super().__init__(f"engine answered HTTP {status} at {url} with {why}")
 
 
-class EngineLimitExceeded(EngineError):
+class EngineLimitExceeded(EngineError, UserError):
     """The engine's answer (a body, a model name) is larger than the client accepts; nothing of it is used."""
 
     def __init__(self, what: str, url: str | None, size: int | None, limit: int, unit: str = "bytes"):
@@ -165,7 +170,7 @@ class EngineLimitExceeded(EngineError):
         super().__init__(f"engine {what}{where} is {got}; the limit is {limit} {unit}")
 
 
-class EngineBodyRefused(EngineError):
+class EngineBodyRefused(EngineError, UserError):
     """The engine's body cannot be read safely: a content encoding the client did not ask for (it asks for
     ``identity``), so its decoded size is unknown until it is decoded (a gzip bomb)."""
 

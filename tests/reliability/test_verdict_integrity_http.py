@@ -352,3 +352,31 @@ def test_oversized_model_name_listed_by_the_engine_is_refused(servers):
     with client(engine.url) as c, pytest.raises(EngineError) as ei:
         c.models()
     assert "200000" in str(ei.value) and len(str(ei.value)) < 400
+
+
+def test_the_refusals_are_one_line_user_errors():
+    """`ds41gate` prints a UserError as one line (exit 2): the refusals of an engine's answer are such errors."""
+    from core.errors import UserError
+
+    for cls in (EngineRedirectRefused, EngineLimitExceeded, EngineBodyRefused):
+        assert issubclass(cls, EngineError) and issubclass(cls, UserError)
+    e = EngineRedirectRefused(307, "http://a:1@h:1/v1/completions", "http://x:2/", "http://h:1", "http://x:2", False)
+    assert "\n" not in str(e) and "a:1@" not in str(e)
+
+
+def test_ds41gate_prints_a_cross_origin_redirect_as_one_line(servers, tmp_path):
+    """The CLI path (`ds41gate eval --engine-url`): one line naming both origins, exit 2, the other host untouched."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    other = servers(honest)
+    engine = servers(lambda h, path, body: send(h, 307, b"", {"location": f"{other.url}{path}"}))
+    r = subprocess.run([sys.executable, "-m", "ds41gates.cli", "eval", "humaneval", "--engine-url", engine.url,
+                        "--out", str(tmp_path / "out")], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: engine answered HTTP 307"), r.stderr[-2000:]
+    assert engine.url in lines[0] and other.url in lines[0]
+    assert other.seen == []
