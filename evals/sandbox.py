@@ -276,6 +276,15 @@ class SandboxProcess:
         self.out = _Stream(self._proc.stdout, cap, self.kill)
         self.err = _Stream(self._proc.stderr, cap, self.kill, keep_tail=64 * 1024)
         self.timed_out = False
+        # the deadline holds even while the harness is blocked writing to a process that does not read
+        self._watchdog = threading.Timer(limits.wall_s, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        if self._proc.poll() is None:
+            self.timed_out = True
+            self.kill()
 
     # -- talking
     def send(self, data: bytes) -> bool:
@@ -349,6 +358,8 @@ class SandboxProcess:
 
     def close(self) -> None:
         try:
+            if getattr(self, "_watchdog", None) is not None:
+                self._watchdog.cancel()
             if self._proc is not None:
                 self.kill()
                 self._proc.wait()

@@ -351,3 +351,15 @@ def test_big_ints_cross_both_ways():
     he = CodeProblem("Test/big", "def big(n):\n    pass\n", "big", "    return 3 ** n\n",
                      test="def check(candidate):\n    assert candidate(30000) == 3 ** 30000\n")
     assert score_solution(he, right, FAST).base is True and score_solution(he, wrong, FAST).base is False
+
+
+def test_a_solution_that_never_reads_cannot_block_the_harness():
+    # it sleeps at import (no CPU, so RLIMIT_CPU never fires) while the harness writes an input far larger
+    # than a pipe's buffer: the wall deadline still ends it
+    big_input = CodeProblem("Big/1", "def total(xs):\n    pass\n", "total", "    return sum(xs)\n",
+                            base_input=([list(range(200_000))],))
+    t0 = time.perf_counter()
+    got = score_solution(big_input, _block("import time\ntime.sleep(3600)\ndef total(xs):\n    return sum(xs)\n"),
+                         Limits(wall_s=4.0, cpu_s=3, memory_mb=512, processes=16))
+    assert got.base is False and "timeout" in got.detail
+    assert time.perf_counter() - t0 < 4.0 + 10
