@@ -9,6 +9,8 @@ MARKERS = {
     "bench": "speed benches",
     "engine": "needs a real engine server",
     "slow": "slow test",
+    "long": "a long end-to-end flow (several engine launches): the nightly job runs these (`pytest tests gates -m long`), "
+            "CI deselects them (scripts/test.sh) to stay inside its time budget",
     "gpu": "needs a CUDA device",
     "reference": "runs DeepSeek's reference code (DS41_REFERENCE_CODE=/path to a local copy); kept out of CI",
 }

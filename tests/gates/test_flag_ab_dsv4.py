@@ -1,4 +1,4 @@
-"""The flag A/B (gates.md §10) of a real knob of the DeepSeek-V4 engine, in CI against the real server.
+"""The flag A/B (gates.md §10) of a real knob of the DeepSeek-V4 engine, against the real server (marker `long`: the nightly job runs it).
 
 `pytest gates/test_flag_ab.py -m gate --flag no_prefix_cache --flag-registry nightly/flags-vllm-cpu.toml
 --engine-profile vllm-cpu-dsv4` as a user runs it (in a subprocess): the session's engine is the flag-off server,
@@ -26,6 +26,7 @@ PROFILE = "vllm-cpu-dsv4"
 
 
 @pytest.mark.engine
+@pytest.mark.long  # two DeepSeek-V4 server launches; the nightly job runs it, CI keeps the dsv4 gate session
 def test_no_prefix_cache_is_exact_on_the_real_deepseek_engine(tmp_path):
     from tests.gates.test_kl_panel_dsv4 import _probe
 

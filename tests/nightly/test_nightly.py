@@ -280,7 +280,7 @@ def test_shipped_nightly_configs_parse():
 # ------------------------------------------------------------------------------------------ real engine
 
 @pytest.mark.engine
-@pytest.mark.slow
+@pytest.mark.long  # 4 vLLM launches (575 s of a 42-min CI run): the nightly job runs it
 def test_nightly_on_vllm_cpu_detects_injected_regression(tmp_path):
     """The whole flow on vLLM CPU (4 launches): nightly/configs/cpu-smoke.toml is green (KL panel + the exact flag
     no_prefix_cache bit-identical); then tonight's build (the flag now also switches to bf16) is a
