@@ -66,11 +66,14 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 
 
 def _redact_report(report) -> None:
-    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key):
-    the printed text goes through the one redaction; left as it was when it holds no secret."""
+    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key), and its
+    captured stdout/stderr/log (printed by -rA and on failure, kept in junit with junit_logging) what the gate
+    printed: the text goes through the one redaction; left as it was when it holds no secret."""
+    from core.redact import redact
+
+    report.sections = [(title, redact(content)) for title, content in report.sections]
     if report.longrepr is None:
         return
-    from core.redact import redact
 
     text = str(report.longrepr)
     clean = redact(text)

@@ -51,9 +51,15 @@ def test_refused_call_echoes_the_header(engine_client, gate_results):
 
 
 def test_prints_its_engine_url_and_fails(engine_endpoint, request):
-    """A gate that logs where it sent requests (captured stdout) and fails naming the URL it was given."""
+    """A gate that logs where and how it sent requests (captured stdout, stderr and log) and fails naming the URL."""
+    import logging
+    import os
+    import sys
+
     url = request.config.getoption("--engine-url")
     print("engine under test:", url, engine_endpoint.base_url)
+    print("request headers:", {"Authorization": "Bearer " + os.environ.get("DS41_ENGINE_API_KEY", "")}, file=sys.stderr)
+    logging.getLogger("canary").warning("HF_TOKEN=%s", os.environ.get("HF_TOKEN"))
     assert url is None, f"this gate wanted a launched engine, got --engine-url {url}"
 '''
 
@@ -193,7 +199,8 @@ def canary_session(tmp_path_factory) -> Session:
     with _server(c) as srv:
         cred_url = srv.url.replace("http://", f"http://{c.user}:{c.password}@")
         cfg = work / "nightly.toml"
-        args = ["-p", "ds41gates.pytest_plugin", "--engine-url", cred_url, "--reference", str(ref)]
+        args = ["-p", "ds41gates.pytest_plugin", "-o", "junit_logging=all", "--engine-url", cred_url,
+                "--reference", str(ref)]
         cfg.write_text(f'[nightly]\nname = "canary"\ngates = [{json.dumps(str(gates))}]\n'
                        f"pytest_args = {json.dumps(args)}\ncell_timeout_s = 180\n"
                        '[[cells]]\nname = "stand-in"\nprofile = "vllm-cpu-fp32"\n')
@@ -211,7 +218,7 @@ def canary_session(tmp_path_factory) -> Session:
             "gate session": [py, "-m", "pytest", "-p", "ds41gates.pytest_plugin", "-p", "no:cacheprovider", "-rA",
                              str(session / "test_gate_session.py"), "-k", "not kl_panel", "--engine-url", srv.url,
                              "--reference", str(ref), "--results", str(session / "results"),
-                             "--junitxml", str(session / "junit.xml")],
+                             "--junitxml", str(session / "junit.xml"), "-o", "junit_logging=all"],
         }
         with ThreadPoolExecutor(len(commands)) as pool:     # independent processes: side by side
             futures = {name: pool.submit(_run, name, argv, env) for name, argv in commands.items()}
