@@ -37,6 +37,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    _gate_suite_by_default(config)
+
+
+def _gate_suite_by_default(config: pytest.Config) -> None:
+    """`pytest -m gate` with no paths gates the embedded default (README): testpaths names only the project's own
+    tests, so without this the gate suite in gates/ is never collected (1097 deselected, exit 5)."""
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and (config.option.markexpr or "").strip() == "gate":
+        config.args = [str(config.rootpath / "gates")]
 
 
 # --------------------------------------------------------------------------- no silent skips in CI
