@@ -3,8 +3,10 @@
 The [n_vit_h, n_vit_w, C] grid is zero-padded at the bottom and right to multiples of r
 (`vision_downsample_ratio`), cut into non-overlapping r x r cells in row-major order, each cell flattened
 channel-major (feature c * r * r + i * r + j for channel c at cell row i, column j), then w2(gelu(w1(.))) with
-the exact (erf) GELU. Precision as in vision.py: float64 rounded once in fp32 mode, bf16 ops in
-reference-bf16 mode.
+the exact (erf) GELU. Precision as in vision.py: float64 rounded once in fp32 mode; in reference-bf16 mode
+vision.py's own calls on bf16 tensors, the cells included: `F.unfold` and its transposed (strided) view go
+into w1's `F.linear` as vision.py hands them over (torch's CPU bf16 GEMM rounds a strided operand differently
+from a contiguous copy: 167 of 563,200 w1 outputs at release sizes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ def unfold_cells(x: torch.Tensor, n_h: int, n_w: int, r: int) -> torch.Tensor:
     return cells.reshape(gh * gw, c * r * r)
 
 
+def unfold_cells_reference(x: torch.Tensor, n_h: int, n_w: int, r: int) -> torch.Tensor:
+    """vision.py's Aligner unfold, call for call: [n_h * n_w, C] -> view [C, n_h, n_w], zero-pad bottom and
+    right, `F.unfold(r, stride=r)`, the transposed view [cells, C * r * r] (not copied). Same values as
+    `unfold_cells`."""
+    t = x.view(n_h, n_w, -1).permute(2, 0, 1)
+    t = F.pad(t, (0, -n_w % r, 0, -n_h % r))
+    return F.unfold(t.unsqueeze(0), r, stride=r).squeeze(0).transpose(0, 1)
+
+
 class Aligner:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -39,6 +50,10 @@ class Aligner:
 
     def __call__(self, feats: torch.Tensor, n_vit_h: int, n_vit_w: int, num: Numerics) -> torch.Tensor:
         """feats [n_vit_h * n_vit_w, vision_dim] -> [n_llm_h * n_llm_w, dim]."""
-        cells = unfold_cells(feats, n_vit_h, n_vit_w, self.cfg.vision_downsample_ratio)
+        r = self.cfg.vision_downsample_ratio
+        if num.bf16:  # the bf16 cells as vision.py builds them; num.linear passes a bf16 view on as it is
+            cells = unfold_cells_reference(feats.to(torch.bfloat16).contiguous(), n_vit_h, n_vit_w, r)
+        else:
+            cells = unfold_cells(feats, n_vit_h, n_vit_w, r)
         hidden = num.on_bf16(lambda t: F.gelu(t, approximate="none"), num.linear(cells, self.w1, self.b1))
         return num.linear(hidden, self.w2, self.b2)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from oracle.dsv41.aligner import Aligner, unfold_cells
+from oracle.dsv41.aligner import Aligner, unfold_cells, unfold_cells_reference
 from oracle.dsv41.checkpoint import Checkpoint
 from oracle.dsv41.config import ModelConfig
 from oracle.dsv41.image_processor import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, GridPlan,
@@ -233,6 +233,16 @@ def test_aligner_unfold_equals_an_explicit_loop():
                         if y < n_h and xx < n_w:
                             want[cell_r * 2 + cell_c, ch * r * r + i * r + j] = x[y * n_w + xx, ch]
     assert torch.equal(unfold_cells(x, n_h, n_w, r), want)
+
+
+def test_reference_unfold_is_the_same_cells_as_a_strided_view():
+    """reference-bf16's unfold (vision.py's F.unfold + transpose, handed on uncopied) gives unfold_cells'
+    values; only the memory layout differs (a transposed view)."""
+    for n_h, n_w in ((5, 4), (32, 29), (3, 3)):
+        x = torch.randn(n_h * n_w, 7, generator=torch.Generator().manual_seed(n_h)).to(torch.bfloat16)
+        ref = unfold_cells_reference(x, n_h, n_w, 3)
+        assert torch.equal(ref, unfold_cells(x.float(), n_h, n_w, 3).to(torch.bfloat16))
+        assert ref.stride()[0] == 1  # cells along the fast axis: the transposed unfold output
 
 
 def test_aligner_equals_w2_gelu_erf_w1_on_the_cells():
