@@ -52,8 +52,11 @@ def rotate_activation(x: torch.Tensor, num: Numerics) -> torch.Tensor:
     """The reference's `rotate_activation`: Walsh–Hadamard transform of the last dim scaled by d^-1/2.
 
     fp32 mode: one float64 product with the ±1 matrix, scaled and rounded once (row independent).
-    reference-bf16 mode: the transform's fp32 butterfly stages on the bf16 input, scaled, rounded to bf16
-    (fast_hadamard_transform computes in fp32 and stores the input dtype)."""
+    reference-bf16 mode: fast_hadamard_transform's arithmetic (read from its CUDA source): fp32 butterfly
+    stages of increasing stride (1, 2, 4 in a thread, then across warp lanes and register chunks, the order
+    the kernel runs them in for d = 2^k up to 512) on the bf16 input, times the fp32 scale in fp32, rounded
+    once to bf16. Checked against scipy.linalg.hadamard at that rounding through the V4 conformance's CPU
+    stand-in (tests/oracle/test_fast_hadamard_cpu.py)."""
     d = x.shape[-1]
     scale = d ** -0.5
     if not num.bf16:

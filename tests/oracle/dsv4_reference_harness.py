@@ -4,9 +4,12 @@ The reference is NOT part of this project: point ``DS4_REFERENCE_CODE`` at a loc
 * ``model.py``: DeepSeek's V4 ``inference/model.py`` (e.g. from a public copy of the DeepSeek-V4-Flash or
   -Pro release folder; it imports ``kernel``), and
 * ``kernel.py``: CPU ports of its tilelang kernels with the same names and signatures (``act_quant``,
-  ``fp4_act_quant``, ``fp8_gemm``, ``fp4_gemm``, ``sparse_attn``, ``hc_split_sinkhorn``) and a
-  ``hadamard_transform(x, scale)`` standing in for the CUDA-only ``fast_hadamard_transform``.
-docs/ORACLE.md ("DeepSeek-V4 mode", conformance) says how the folder used here was assembled.
+  ``fp4_act_quant``, ``fp8_gemm``, ``fp4_gemm``, ``sparse_attn``, ``hc_split_sinkhorn``).
+The reference's ``rotate_activation`` imports ``fast_hadamard_transform`` (CUDA only); this harness installs
+the project's CPU stand-in ``tests/oracle/fast_hadamard_cpu.py`` under that name before importing model.py
+(checked against scipy.linalg.hadamard at the kernel's rounding by tests/oracle/test_fast_hadamard_cpu.py),
+so a ``hadamard_transform`` fallback in the folder's kernel.py is never used.
+docs/ORACLE.md ("DeepSeek-V4 mode", conformance) says how to assemble the folder from public copies.
 
 What it does: writes a tiny V4 checkpoint (oracle.dsv41.tiny_v4), builds the reference ``Transformer``
 from its config.json (the HF keys mapped to ``ModelArgs`` as the release's inference/config.json spells them,
@@ -57,6 +60,17 @@ def reference_dir() -> Path | None:
     return Path(p) if p else None
 
 
+def install_hadamard_stand_in() -> None:
+    """Make `from fast_hadamard_transform import hadamard_transform` (the reference's rotate_activation)
+    resolve to the project's CPU stand-in, also where the CUDA package is installed (it takes CUDA tensors
+    only)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import fast_hadamard_cpu
+    sys.modules["fast_hadamard_transform"] = fast_hadamard_cpu
+
+
 def import_reference(folder: Path):
     """Import the folder's model.py. Also fixes torch to one thread, BEFORE any other torch work: measured,
     a process whose checkpoint writer had run on the default thread pool and only then switched to one
@@ -67,6 +81,7 @@ def import_reference(folder: Path):
     for f in ("model.py", "kernel.py"):
         if not (folder / f).is_file():
             raise FileNotFoundError(f"{ENV}={folder}: expected {f} of the V4 reference there")
+    install_hadamard_stand_in()
     if _MODULE not in sys.modules:
         sys.path.insert(0, str(folder))  # model.py imports `kernel` as a top-level module
         spec = importlib.util.spec_from_file_location(_MODULE, folder / "model.py")
@@ -237,25 +252,36 @@ def conformance_case(ref, ckpt_dir: Path, seed: int, case: str, precision: str =
     return compare(ref_tr, m, logits)
 
 
-def main(seeds=(0, 1)) -> int:
+# the fp32-mode rows of the docs table: the oracle's fp32 mode against the same reference (not expected to agree)
+FP32_ROWS = ((1, "short"),)
+
+
+def main(seeds=(0, 1), fp32_rows=FP32_ROWS) -> int:
+    """Prints the docs/ORACLE.md V4 conformance table: reference-bf16 rows for every seed and case, then the
+    fp32-mode rows (the comparison separating what it should)."""
     folder = reference_dir()
     if folder is None:
         print(f"{ENV} is not set", file=sys.stderr)
         return 2
     ref = import_reference(folder)  # first: one thread before any torch work
-    print("| seed | config | case | max abs Δ logit prefill | max abs Δ logit decode | argmax agreement | first divergence |")
-    print("|---|---|---|---|---|---|---|")
-    for seed in seeds:
-        for cname, ov in CONFIGS.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                ck = write_tiny_v4_checkpoint(Path(tmp) / "ck", seed=seed, overrides=ov)
-                for case in CASES:
-                    c = conformance_case(ref, ck, seed, case)
-                    print(f"| {seed} | {cname} | {case} {CASES[case]} | {c.max_abs_prefill:.3g} | "
-                          f"{c.max_abs_decode:.3g} | {c.argmax_agreement:.3f} | {c.first_divergence or '-'} |",
-                          flush=True)
+    print("| seed | config | case | precision | max abs Δ logit prefill | max abs Δ logit decode | argmax agreement "
+          "| first divergence |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = [(seed, case, "reference-bf16") for seed in seeds for case in CASES]
+    rows += [(seed, case, "fp32") for seed, case in fp32_rows]
+    made: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, case, precision in rows:
+            for cname, ov in CONFIGS.items():
+                if (seed, cname) not in made:
+                    made[seed, cname] = write_tiny_v4_checkpoint(Path(tmp) / f"ck-{cname}-{seed}", seed=seed, overrides=ov)
+                c = conformance_case(ref, made[seed, cname], seed, case, precision)
+                print(f"| {seed} | {cname} | {case} {CASES[case]} | {precision} | {c.max_abs_prefill:.3g} | "
+                      f"{c.max_abs_decode:.3g} | {c.argmax_agreement:.3f} | {c.first_divergence or '-'} |",
+                      flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # optional: seeds to run, e.g. `python tests/oracle/dsv4_reference_harness.py 0 1 7`
+    raise SystemExit(main(tuple(int(a) for a in sys.argv[1:]) or (0, 1)))
