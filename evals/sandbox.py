@@ -107,18 +107,23 @@ def _take_slot() -> int:
         return slot
 
 
-def _pids_of_uid(uid: int) -> list[int]:
-    """Live processes whose real uid is ``uid`` (they count against that uid's RLIMIT_NPROC)."""
+def _pids_of_uid(uid: int, running_only: bool = False) -> list[int]:
+    """Processes whose real uid is ``uid`` (they count against that uid's RLIMIT_NPROC, zombies included);
+    ``running_only`` leaves out zombies (dead, waiting for a parent to reap them: they run nothing)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
+            uid_here, zombie = None, False
             for line in (entry / "status").read_text().split("\n"):
-                if line.startswith("Uid:"):
-                    if int(line.split()[1]) == uid:
-                        pids.append(int(entry.name))
+                if line.startswith("State:"):
+                    zombie = line.split()[1] in ("Z", "X")
+                elif line.startswith("Uid:"):
+                    uid_here = int(line.split()[1])
                     break
+            if uid_here == uid and not (running_only and zombie):
+                pids.append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue            # the process ended while we looked
     return pids
@@ -134,10 +139,10 @@ def _free_uid(slot: int) -> int:
     raise SandboxUnavailable(f"every sandbox uid {_UID_BASE}..{_UID_BASE + 3999} has live processes")
 
 
-def _reap_uid(uid: int, deadline_s: float = 5.0) -> None:
+def _reap_uid(uid: int, deadline_s: float = 15.0) -> None:
     """Kill every process left under a sandbox uid and wait until none remains."""
     t_end = time.monotonic() + deadline_s
-    while pids := _pids_of_uid(uid):
+    while pids := _pids_of_uid(uid, running_only=True):
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -254,6 +259,7 @@ class SandboxProcess:
         self._uid: int | None = None
         self._workdir: Path | None = None
         self._proc: subprocess.Popen | None = None
+        self._stdin_closed = False
         try:
             self._uid = _free_uid(self._slot) if os.geteuid() == 0 else None
             self._workdir = Path(tempfile.mkdtemp(prefix="ds41-sandbox-"))
@@ -297,6 +303,7 @@ class SandboxProcess:
             return False
 
     def close_stdin(self) -> None:
+        self._stdin_closed = True
         try:
             self._proc.stdin.close()
         except (BrokenPipeError, OSError):
@@ -361,6 +368,11 @@ class SandboxProcess:
             if getattr(self, "_watchdog", None) is not None:
                 self._watchdog.cancel()
             if self._proc is not None:
+                if self._stdin_closed and self._proc.poll() is None:
+                    try:            # told to end: let bubblewrap reap its own children rather than orphan them
+                        self._proc.wait(timeout=1.0)
+                    except subprocess.TimeoutExpired:
+                        pass
                 self.kill()
                 self._proc.wait()
                 for s in (getattr(self, "out", None), getattr(self, "err", None)):
