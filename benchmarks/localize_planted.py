@@ -28,10 +28,11 @@ def main() -> int:
     ap.add_argument("--panel-item", default="knowledge-02-printing")
     ap.add_argument("--max-prompt-tokens", type=int, default=None)
     ap.add_argument("--clean-only", action="store_true", help="only the unperturbed case")
+    ap.add_argument("--scale", type=float, default=1e-3, help="the planted fault's relative size")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ids, source = prompt_ids(a.profile, panel_item=a.panel_item, max_tokens=a.max_prompt_tokens)
-    cases = planted_cases(n_decoder_layers(a.profile))
+    cases = planted_cases(n_decoder_layers(a.profile), a.scale)
     if a.clean_only:
         cases = cases[:1]
     t0 = time.perf_counter()
@@ -41,8 +42,9 @@ def main() -> int:
     rows = planted_table(recs, cases)
     for r in rows:
         print(json.dumps(r))
-    out = Path(a.out or ROOT / "benchmarks" / "results" / f"localize_planted-{a.profile}.json")
-    write_json_atomic(out, {"profile": a.profile, "prompt": source, "n_tokens": len(ids), "cases": len(cases),
+    tag = "" if a.scale == 1e-3 else f"-scale{a.scale:g}"
+    out = Path(a.out or ROOT / "benchmarks" / "results" / f"localize_planted-{a.profile}{tag}.json")
+    write_json_atomic(out, {"profile": a.profile, "scale": a.scale, "prompt": source, "n_tokens": len(ids), "cases": len(cases),
                             "wall_s": round(wall, 1), "table": rows,
                             "timings": {n: r.timings for n, r in recs.items()},
                             "verdicts": {n: r.to_dict()["verdict"] for n, r in recs.items()}})

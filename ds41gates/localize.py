@@ -97,8 +97,8 @@ def token_texts(profile: str, ids: Sequence[int]) -> list[str]:
 class _Oracle:
     """The oracle's captures of ``ids + [decode token]`` at one precision; each model loaded once."""
 
-    def __init__(self, kind: str, model_dir: Path, precision: str):
-        self.kind, self.model_dir, self.precision = kind, model_dir, precision
+    def __init__(self, kind: str, model_dir: Path, precision: str, base: "_Oracle | None" = None):
+        self.kind, self.model_dir, self.precision, self.base = kind, model_dir, precision, base
         self._loaded = None
         self.info: dict = {}
         self.forward_s = 0.0
@@ -113,7 +113,8 @@ class _Oracle:
         else:
             if self._loaded is None:
                 t = time.perf_counter()
-                self._loaded = load_hf(self.model_dir, self.precision)
+                base = self.base._loaded if self.base is not None else None   # a copy of the fp32 load
+                self._loaded = load_hf(self.model_dir, self.precision, base=base)
                 self.load_s += time.perf_counter() - t
             acts, info = capture_hf(self.model_dir, ids, self.precision, oracle=self._loaded)
         self.forward_s += info["forward_s"]
@@ -131,7 +132,9 @@ def _phased(acts: Mapping[str, Any], n: int, decode: bool) -> dict:
 
 
 def _to_numpy(t) -> Any:
-    return t.numpy() if hasattr(t, "numpy") else t
+    """[n, ...] -> [n, width] (DeepSeek's hyper-connection streams [n, hc, d] compare as one row per position)."""
+    a = t.numpy() if hasattr(t, "numpy") else t
+    return a.reshape(a.shape[0], -1)
 
 
 def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
@@ -153,7 +156,8 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
     report = run_engine_captures(inv, ids, cases, Path(work), decode=decode)
     echo(f"engine done in {report['wall_s']:.1f} s (load {report['load_s']:.1f} s); oracle {kind} fp32 and the "
          f"{floor} floor")
-    oracle, floor_orc = _Oracle(kind, model_dir, "fp32"), _Oracle(kind, model_dir, floor)
+    oracle = _Oracle(kind, model_dir, "fp32")
+    floor_orc = _Oracle(kind, model_dir, floor, base=oracle)   # captured after the fp32 oracle, from its load
     texts = token_texts(profile, ids)
     refs: dict[int | None, tuple[dict, dict]] = {}
     out: dict[str, LocalizeRecord] = {}
@@ -245,6 +249,7 @@ def localize_cmd(
     engine_env: list[str] = typer.Option([], "--engine-env", help="KEY=VALUE added to the engine's environment "
                                          "(repeatable), e.g. DS41_PERTURB_LAYER=15 DS41_PERTURB_MODULE=mlp"),
     prompt: str = typer.Option(None, "--prompt", help="raw prompt text (the model's tokenizer, no chat template)"),
+    prompt_file: Path = typer.Option(None, "--prompt-file", help="raw prompt text read from a UTF-8 file"),
     panel_item: str = typer.Option(None, "--panel-item", help="a panel sequence id, encoded as the gates encode it"),
     panel: str = typer.Option(None, "--panel", help="panel name[@version] for --panel-item (default: the profile's)"),
     max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", help="cut the prompt to this many tokens"),
@@ -254,6 +259,10 @@ def localize_cmd(
     no_decode: bool = typer.Option(False, "--no-decode", help="prefill only (no decode step)"),
 ) -> None:
     """Name the first layer and module where the engine leaves the oracle, for one prompt."""
+    if prompt_file is not None:
+        if prompt is not None:
+            raise UserError("localize: give --prompt or --prompt-file, not both")
+        prompt = Path(prompt_file).read_text(encoding="utf-8")
     ids, source = prompt_ids(engine_profile, prompt, panel_item, panel, max_prompt_tokens)
     recs = run_localize(engine_profile, ids, source, Path(out) / "work", flags=engine_flag,
                         engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode)

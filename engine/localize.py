@@ -103,7 +103,7 @@ def run_engine_captures(inv: EngineInvocation, prompt_ids: Sequence[int], cases:
         raise LocalizeRunError(f"the fault-injection plugin is not installed in {inv.python}'s venv; "
                                "run scripts/setup-vllm.sh (it installs engine/vllm_perturb/)")
     req = {"engine_args": list(inv.engine_args), "prompt_ids": [int(t) for t in prompt_ids], "decode": decode,
-           "sites": list(sites) if sites else None, "layers": list(layers) if layers is not None else None,
+           "sites": list(sites) if sites is not None else None, "layers": list(layers) if layers is not None else None,
            "cases": list(cases), "out_dir": str(work / "captures"), "report": str(work / "runner.json")}
     atomic_write_text(work / "request.json", json.dumps(req, indent=1))
     t0 = time.perf_counter()

@@ -68,9 +68,14 @@ def _first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _stream(out):
-    """The full residual stream leaving a decoder layer: (hidden, residual) summed, a single tensor as is."""
+def _stream(layer, out):
+    """The full residual stream leaving a decoder layer: (hidden, residual) summed, a single tensor as is. DeepSeek
+    V4's mHC layers return (x, residual, post_mix, res_mix) with the last hc_post deferred into the next layer's
+    fused post+pre: the streams are that hc_post, computed here with the layer's own op (it does not write its
+    inputs: vLLM itself calls it on the same tensors for its aux hidden states); unfused, x is the streams."""
     if isinstance(out, (tuple, list)):
+        if len(out) == 4 and hasattr(layer, "hc_post"):
+            return out[0] if out[2] is None else layer.hc_post(out[0], out[1], out[2], out[3])
         h, r = out[0], (out[1] if len(out) > 1 else None)
         return h if r is None else h + r
     return out
@@ -93,7 +98,7 @@ def install(model, sites=SITES, layers=None) -> dict:
             continue
         if "resid" in sites:
             handles.append(layer.register_forward_hook(
-                lambda m, a, out, k=f"L{i}.resid": keep(k, _stream(out))))
+                lambda m, a, out, k=f"L{i}.resid": keep(k, _stream(m, out))))
         for role in ("attn", "mlp"):
             if role not in sites:
                 continue
@@ -179,7 +184,7 @@ def run(request: dict) -> dict:
     llm, ignored = build_llm(request["engine_args"])
     report: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "ignored_args": ignored, "load_s": time.perf_counter() - t0, "cases": {}}
-    sites = tuple(request.get("sites") or SITES)
+    sites = SITES if request.get("sites") is None else tuple(request["sites"])   # [] = no hooks (a plain run)
     info = _merge([{"x": r} for r in llm.apply_model(functools.partial(install, sites=sites,
                                                                        layers=request.get("layers")))])["x"]
     report["model"] = info

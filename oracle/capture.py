@@ -45,13 +45,16 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
     return best
 
 
-def load_hf(model_dir: str | Path, precision: str = "fp32", threads: int = 1):
-    """The transformers oracle's model (oracle/hf.py's checked fp32 load), cast for a floor run."""
+def load_hf(model_dir: str | Path, precision: str = "fp32", threads: int = 1, base=None):
+    """The transformers oracle's model (oracle/hf.py's checked fp32 load), cast for a floor run. ``base``: an fp32
+    load of the same folder to copy instead of loading (and hashing) the weights again."""
+    import copy
+
     from oracle.hf import HFOracle
 
     if precision not in PRECISIONS:
         raise CaptureError(f"precision {precision!r}: expected one of {PRECISIONS}")
-    orc = HFOracle.load(model_dir, threads=threads)
+    orc = copy.deepcopy(base) if base is not None else HFOracle.load(model_dir, threads=threads)
     if precision == "bf16":
         orc.model.to(torch.bfloat16)
     elif precision == "fp64":

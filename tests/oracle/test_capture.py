@@ -1,0 +1,41 @@
+"""oracle/capture.py: the localizer's oracle sites mean what they say (SmolLM2, transformers oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from engine.models import default_model_dir
+
+    return default_model_dir()
+
+
+def test_the_sites_add_up_to_the_residual_stream_and_the_floor_is_the_same_model(smol):
+    from oracle.capture import capture_hf, load_hf
+
+    ids = [1, 504, 3458, 314, 260, 1345, 30, 216]
+    orc = load_hf(smol, "fp32")
+    acts, info = capture_hf(smol, ids, "fp32", oracle=orc)
+    n_layers = orc.model.config.num_hidden_layers
+    assert set(acts) == {f"L{i}.{s}" for i in range(n_layers) for s in ("attn", "mlp", "resid")}
+    assert info["dtype"] == "float32" and all(v.shape == (len(ids), 576) for v in acts.values())
+    # the residual stream leaving layer i = the stream entering it + its attention output + its MLP output
+    for i in range(1, n_layers):
+        want = acts[f"L{i - 1}.resid"] + acts[f"L{i}.attn"] + acts[f"L{i}.mlp"]
+        torch.testing.assert_close(acts[f"L{i}.resid"], want, rtol=1e-5, atol=1e-5)
+    # and it is what transformers reports as the hidden state (the last one is after the final norm there)
+    with torch.inference_mode():
+        hs = orc.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(acts["L3.resid"], hs[4][0])
+    # the floor runs: the same model at another precision, close to fp32 and not equal to it
+    f64, info64 = capture_hf(smol, ids, "fp64", layers=[0, 3], oracle=load_hf(smol, "fp64", base=orc))
+    assert info64["dtype"] == "float64" and set(f64) == {f"L{i}.{s}" for i in (0, 3) for s in ("attn", "mlp", "resid")}
+    rel = (f64["L3.resid"] - acts["L3.resid"]).norm() / acts["L3.resid"].norm()
+    assert 0 < rel < 1e-5
+    bf16, _ = capture_hf(smol, ids, "bf16", layers=[3], oracle=load_hf(smol, "bf16", base=orc))
+    rel = (bf16["L3.resid"] - acts["L3.resid"]).norm() / acts["L3.resid"].norm()
+    assert 1e-4 < rel < 0.1
+    assert next(orc.model.parameters()).dtype == torch.float32   # the floors were copies
