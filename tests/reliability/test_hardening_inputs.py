@@ -265,7 +265,7 @@ def test_bad_provenance_is_one_line(records, tmp_path, edit, message):
     ({"pos_index": lambda a: _set(a, 3, 40)}, "position index 40 outside [1, 8]"),
     ({"pos_index": lambda a: _set(a, 0, 0)}, "position index 0 outside [1, 8]"),
     ({"pos_seq": lambda a: _set(a, -1, 9)}, "pos_seq holds a sequence index outside [0, 3)"),
-    ({"token_ids": lambda a: a.astype(np.float32)}, "array token_ids has dtype float32, expected an integer array"),
+    ({"token_ids": lambda a: a.astype(np.float32)}, "array token_ids has dtype float32, expected int64"),
     ({"actual_rank": lambda a: _set(a, 0, 0)}, "actual-token rank 0; ranks start at 1"),
 ], ids=["index past the end", "index 0", "sequence index", "float token ids", "rank 0"])
 def test_bad_positions_and_arrays_are_one_line(records, tmp_path, mutation, message):
