@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json_atomic  # noqa: E402
+from core.localize import summary_rows  # noqa: E402
 from ds41gates.localize import (n_decoder_layers, planted_cases, planted_table, prompt_ids,  # noqa: E402
                                 run_localize)
 
@@ -47,7 +48,8 @@ def main() -> int:
     write_json_atomic(out, {"profile": a.profile, "scale": a.scale, "prompt": source, "n_tokens": len(ids), "cases": len(cases),
                             "wall_s": round(wall, 1), "table": rows,
                             "timings": {n: r.timings for n, r in recs.items()},
-                            "verdicts": {n: r.to_dict()["verdict"] for n, r in recs.items()}})
+                            "verdicts": {n: r.to_dict()["verdict"] for n, r in recs.items()},
+                            "per_layer_prefill": {n: summary_rows(r) for n, r in recs.items()}})
     print(f"{out}  ({wall:.1f} s, all exact: {all(r['exact'] for r in rows)})")
     return 0 if all(r["exact"] for r in rows) else 1
 
