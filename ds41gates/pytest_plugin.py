@@ -278,18 +278,26 @@ def _uncaptured(config: pytest.Config):
     return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
 
 
-def _served_models(url: str, root: str, headers: dict) -> list[str]:
-    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL."""
-    import httpx
+def _served_models(url: str, root: str, key: str | None) -> list[str]:
+    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL. Asked
+    through the engine client, so this first request has the gates' guards too: no redirect to another origin,
+    a capped uncompressed body, a total deadline."""
+    from engine.client import MAX_MODEL_NAME, ClientConfig, EngineClient, RetryPolicy
+    from engine.errors import EngineError, EngineRequestRejected, EngineTransportError
 
+    client = EngineClient(ClientConfig(root, "", api_key=key or "unused", timeout_s=30,
+                                       retry=RetryPolicy(max_attempts=1), max_body_bytes=4 << 20))
     try:
-        resp = httpx.get(root + "/v1/models", timeout=30, headers=headers)
-    except httpx.HTTPError as exc:
-        _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models "
-                             f"({type(exc).__name__}: {exc})")
-    if resp.status_code != 200:
-        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if resp.status_code in (401, 403) else ""
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {resp.status_code}{hint}")
+        resp = client.get("/v1/models")
+    except (EngineRequestRejected, EngineTransportError) as exc:
+        if exc.status is None:
+            _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models ({exc})")
+        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if exc.status in (401, 403) else ""
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {exc.status}{hint}")
+    except EngineError as exc:
+        _stop_for_user_error(f"--engine-url {url}: {exc}")
+    finally:
+        client.close()
     try:
         listing = resp.json()
     except ValueError:
@@ -301,6 +309,8 @@ def _served_models(url: str, root: str, headers: dict) -> list[str]:
                              '({"data": [{"id": ...}, ...]})')
     if not data:
         _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
+    if any(len(m["id"]) > MAX_MODEL_NAME for m in data):
+        _stop_for_user_error(f"--engine-url {url}: /v1/models lists a model name over {MAX_MODEL_NAME} characters")
     return [m["id"] for m in data]
 
 
@@ -348,7 +358,7 @@ def _require_default_model(config: pytest.Config, url: str, models: list[str] | 
     if models is None:
         key = os.environ.get("DS41_ENGINE_API_KEY")
         root = url.rstrip("/").removesuffix("/v1")
-        models = _served_models(url, root, {"Authorization": f"Bearer {key}"} if key else {})
+        models = _served_models(url, root, key)
     default_model = load_profile(DEFAULT_PROFILE).served_model
     if default_model not in models:
         _stop_for_user_error(
@@ -389,8 +399,7 @@ def engine_endpoint(request: pytest.FixtureRequest):
         import os
 
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        models = _served_models(url, root, headers)
+        models = _served_models(url, root, key)
         from ds41gates.pipeline import served_model
 
         if not _opt(request.config, "--reference") and served_model(profile) is None:

@@ -407,15 +407,18 @@ class EngineClient:
             raise exc.at(seq_id, url) from None
         return JsonReply(data, elapsed, url)
 
-    def get_text(self, path: str) -> tuple[str, float]:
+    def get(self, path: str) -> httpx.Response:
+        """GET under every guard of this client (same origin, body cap, total deadline, retries); 4xx raise."""
         url = self._url(path)
-        resp = self._with_retries(url, None, lambda: self._openai.get(url, cast_to=httpx.Response))
+        return self._with_retries(url, None, lambda: self._openai.get(url, cast_to=httpx.Response))
+
+    def get_text(self, path: str) -> tuple[str, float]:
+        resp = self.get(path)
         return resp.text, resp.elapsed.total_seconds()
 
     def get_json(self, path: str) -> JsonReply:
-        url = self._url(path)
-        resp = self._with_retries(url, None, lambda: self._openai.get(url, cast_to=httpx.Response))
-        return JsonReply(strict_json(resp.content, url), resp.elapsed.total_seconds(), url)
+        resp = self.get(path)
+        return JsonReply(strict_json(resp.content, self._url(path)), resp.elapsed.total_seconds(), self._url(path))
 
     def stream_events(self, path: str, body: Mapping[str, Any], *, seq_id: str | None = None) -> Iterator[SseEvent]:
         """POST with ``stream: true`` and yield decoded SSE events with arrival times; stops at ``[DONE]``.

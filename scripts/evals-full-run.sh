@@ -33,5 +33,5 @@ if [ ! -f panels/data/ifeval-replies-1.manifest.json ]; then
 fi
 echo "[$(stamp)] KL on the IFEval-reply panel, both engines"
 .venv/bin/ds41gate demo --panel ifeval-replies --profile "$1" --profile "$2" \
-  --out "$out/kl-ifeval-replies" || echo "(demo exit $?: a KL band verdict failed; the report is written)"
+  --out "$out/kl-ifeval-replies" --replace-results || echo "(demo exit $?: a KL band verdict failed; the report is written)"
 echo "[$(stamp)] done"

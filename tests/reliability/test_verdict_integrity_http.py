@@ -380,3 +380,19 @@ def test_ds41gate_prints_a_cross_origin_redirect_as_one_line(servers, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: engine answered HTTP 307"), r.stderr[-2000:]
     assert engine.url in lines[0] and other.url in lines[0]
     assert other.seen == []
+
+
+def test_a_gate_session_on_a_redirecting_engine_url_errors_before_any_gate(servers, tmp_path):
+    """The gate session's first request (`/v1/models`, before any gate) goes through the engine client too: a
+    redirect to another origin is one `error: --engine-url` line naming both origins, exit 2, the other host
+    untouched (before: the plugin's own GET, with no body cap and no total deadline)."""
+    from tests.reliability.helpers import run_gate_session
+    from tests.reliability.test_hardening_inputs import KL_GATE, _reference_file
+
+    other = servers(honest)
+    engine = servers(lambda h, path, body: send(h, 307, b"", {"location": f"{other.url}{path}"}))
+    s = run_gate_session(tmp_path, KL_GATE, reference=_reference_file(tmp_path), engine_url=engine.url, timeout=120)
+    assert s.returncode == 2, s.output[-3000:]
+    errors = [ln for ln in s.output.split("\n") if "error: --engine-url" in ln]
+    assert len(errors) == 1 and engine.url in errors[0] and other.url in errors[0], s.output[-3000:]
+    assert other.seen == []
