@@ -17,6 +17,8 @@ def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoi
                          label=engine_endpoint.profile, bands_file=BANDS_FILE)
     gate_results.panel_gates.append(gate)
     gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
-                                  "summary": gate.summary, "metrics": result.as_dict()})
+                                  "summary": gate.summary, "metrics": result.as_dict(),
+                                  # the origin(s) whose answers this verdict rests on (the engine record's own)
+                                  "answered_by": panel_engine_record.provenance.extra.get("answered_by")})
     assert result.overall.n_positions == panel_reference.n_positions
     assert gate.passed, "KL panel gate failed:\n" + "\n".join(gate.failures)

@@ -135,6 +135,9 @@ def test_errored_gate_is_marked_and_earlier_results_kept(hostile_session):
     err = s.outcome("test_zz_tokenizer_gate")
     assert err["outcome"] == "error" and err["phase"] == "call" and "EngineRequestRejected" in err["detail"]
     assert s.results["kl_panel"]["passed"] is True and s.results["zz_partial"] == {"measured": 1}
+    # the verdict names the origin it rests on (the canned server's), never a credential
+    answered = s.results["kl_panel"]["answered_by"]
+    assert answered and len(answered) == 1 and answered[0].startswith("http://127.0.0.1:"), answered
     report = json.loads((s.results_dir / "report.json").read_text())
     section = report["extra"]["Gate outcomes"]
     assert "1 gate(s) ERRORED" in section["note"]
