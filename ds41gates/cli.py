@@ -70,12 +70,14 @@ for module_name, attr, name in SUB_APPS:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console entry point: a user error is one line on stderr and exit code 2, with every known
+    """The console entry point: a user error is one line on stderr and exit code 2, an engine that failed to give
+    an answer a verdict may rest on (unreachable, timed out, malformed) one line and exit code 3, every known
     secret redacted; any other exception is a harness bug and keeps its traceback."""
     import sys
 
     from core.errors import UserError, one_line
     from core.redact import redact
+    from engine.errors import EngineError
 
     try:
         app(args=argv, prog_name="ds41gate", standalone_mode=True)
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {redact(one_line(exc))}", file=sys.stderr, flush=True)
         return 2
+    except EngineError as exc:
+        print(f"error: {redact(one_line(exc))}", file=sys.stderr, flush=True)
+        return 3
     except OSError as exc:
         if not exc.filename:
             raise

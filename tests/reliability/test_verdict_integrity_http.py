@@ -396,3 +396,17 @@ def test_a_gate_session_on_a_redirecting_engine_url_errors_before_any_gate(serve
     errors = [ln for ln in s.output.split("\n") if "error: --engine-url" in ln]
     assert len(errors) == 1 and engine.url in errors[0] and other.url in errors[0], s.output[-3000:]
     assert other.seen == []
+
+
+def test_ds41gate_prints_an_engine_that_does_not_answer_as_one_line(tmp_path):
+    """`ds41gate eval` on a dead engine: one `error:` line naming the URL, exit 3 (no verdict), no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "ds41gates.cli", "eval", "humaneval", "--engine-url",
+                        "http://127.0.0.1:9", "--out", str(tmp_path / "out")], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: engine connection error at http://127.0.0.1:9"), r.stderr
