@@ -53,8 +53,8 @@ def test_equals_scipy_at_the_kernel_rounding_where_fp32_sums_are_exact(d):
 
 def test_equals_scipy_at_the_kernel_rounding_on_trained_scale_activations():
     """Gaussian bf16 rows at d = 128 (the V4 indexer's head dim), 2,048 rows: bit-identical to the float64
-    reference rounded as the kernel rounds; the rows whose exact sums are not fp32 numbers are counted (where
-    the fp32 butterfly itself rounds, stage order could matter)."""
+    reference rounded as the kernel rounds; the outputs whose exact sums are not fp32 numbers are counted
+    (there the fp32 butterfly itself rounds, and stage order could matter)."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(2048, 128, generator=g) * 3).to(torch.bfloat16)
     got = fast_hadamard_cpu.hadamard_transform(x, scale=128 ** -0.5)
