@@ -165,7 +165,7 @@ def command(workdir: Path, argv: list[str], limits: Limits, uid: int | None) -> 
     if uid is not None:
         cmd += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     cmd += [_tool("prlimit"), f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb * mb}",
-            f"--fsize={limits.file_mb * mb}", f"--nproc={limits.processes}", f"--core=0", "--"]
+            f"--fsize={limits.file_mb * mb}", f"--nproc={limits.processes}", "--core=0", "--"]
     cmd += [_bwrap(), "--unshare-all", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",

@@ -10,7 +10,6 @@ import base64
 import sqlite3
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 

@@ -17,10 +17,8 @@ import errno
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

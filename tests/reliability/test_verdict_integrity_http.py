@@ -15,7 +15,6 @@ Real HTTP servers on 127.0.0.1 (two ports where a second host is needed) script 
 
 from __future__ import annotations
 
-import gzip
 import json
 import threading
 import time
