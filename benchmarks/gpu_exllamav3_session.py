@@ -127,30 +127,77 @@ def stage_refs(s: Session, models: dict, bits: list[float]) -> dict:
     return refs
 
 
-def stage_kernels(s: Session) -> dict:
-    path = s.out / "gpu_kernels_h200.json"
-    r = subprocess.run([sys.executable, "-m", "engine.exllamav3_kernels", "--out", str(path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240)
-    (s.work / "kernels.log").write_text(r.stdout + r.stderr)
-    s.log(f"kernel gate rc {r.returncode}: {r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-500:]}")
-    if not path.exists():
-        raise RuntimeError(f"kernel gate wrote nothing: {r.stderr[-1500:]}")
-    data = json.loads(path.read_text())
-    s.res["kernels"] = data["summary"]
-    return data
+def stage_kernels(s: Session, modes: list[int]) -> dict:
+    """The kernel gate once per EXL3_INT8_GEMV mode (exllamav3 reads it once per process: 2 is its CUDA default,
+    plain int8 activations in the m = 1 mul1 GEMV; 1 int8 + residual pass; 0 off), merged into one table."""
+    merged, summaries = None, {}
+    for mode in modes:
+        path = s.work / f"kernels-int8gemv{mode}.json"
+        env = dict(os.environ, EXL3_INT8_GEMV=str(mode))
+        r = subprocess.run([sys.executable, "-m", "engine.exllamav3_kernels", "--out", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=240, env=env)
+        (s.work / f"kernels-int8gemv{mode}.log").write_text(r.stdout + r.stderr)
+        s.log(f"kernel gate EXL3_INT8_GEMV={mode} rc {r.returncode}: "
+              f"{r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-500:]}")
+        if not path.exists():
+            raise RuntimeError(f"kernel gate wrote nothing: {r.stderr[-1500:]}")
+        data = json.loads(path.read_text())
+        summaries[str(mode)] = data["summary"]
+        if merged is None:
+            merged = dict(data, cases=[], runs={})
+        merged["cases"] += data["cases"]
+        merged["runs"][f"EXL3_INT8_GEMV={mode}"] = {"summary": data["summary"], "seconds": data["seconds"]}
+    merged.pop("summary", None)
+    merged.pop("exl3_int8_gemv", None)
+    merged["exl3_int8_gemv_modes"] = modes
+    (s.out / "gpu_kernels_h200.json").write_text(json.dumps(merged, indent=1))
+    s.res["kernels"] = summaries
+    return merged
 
 
-def stage_gates(s: Session, refs: dict, bits: list[float], timeout: int) -> dict:
-    runs = {}
-    plan = [("bf16",) + PROFILES["bf16"]] + [(f"{b:g}",) + profile_for(b) for b in bits]
+def stage_prefix_probe(s: Session) -> list:
+    """Where exllamav3's DeepSeek-V4 prefix reuse starts: a prime of L ids generating G tokens under a salt, then
+    the same 256 ids + a 24-id turn under that salt; cached_tokens of the warm request (in process, bf16 model)."""
+    from engine.exllamav3_models import model_dir
+    from engine.exllamav3_server import Exl3Backend, Front
+
+    front = Front(Exl3Backend(str(model_dir("dsv4-tiny-bf16")), cache_tokens=16384, max_batch_size=4),
+                  "dsv4-tiny", 4096)
+    rows = []
+    try:
+        base = [1000 + (i * 37) % 5000 for i in range(600)]
+        turn = [7000 + i for i in range(24)]
+        for L, G in ((256, 1), (256, 2), (256, 8), (257, 1), (300, 1), (512, 1), (513, 1)):
+            salt = f"probe-{L}-{G}-{time.time()}"
+            front.completion({"prompt": base[:L], "max_tokens": G, "ignore_eos": True, "cache_salt": salt})
+            for W in (256, 512):
+                if W > L:
+                    continue
+                warm = front.completion({"prompt": base[:W] + turn, "max_tokens": 1, "ignore_eos": True,
+                                         "cache_salt": salt})
+                rows.append({"prime_len": L, "prime_gen": G, "warm_shared": W,
+                             "cached_tokens": warm["usage"]["prompt_tokens_details"]["cached_tokens"]})
+                s.log(f"prefix probe: prime {L} ids + {G} generated, warm shares {W}: "
+                      f"cached_tokens {rows[-1]['cached_tokens']}")
+    finally:
+        front.close()
+    s.res["prefix_probe"] = rows
+    return rows
+
+
+def stage_gates(s: Session, refs: dict, bits: list[float], timeout: int, flags: list[str],
+                with_bf16: bool) -> dict:
+    runs = s.res.get("gates", {})
+    plan = ([("bf16",) + PROFILES["bf16"]] if with_bf16 else []) + [(f"{b:g}",) + profile_for(b) for b in bits]
     for tag, profile, _model in plan:
-        res_dir = s.work / f"gates-{profile}"
+        label = "+".join([profile, *flags])
+        res_dir = s.work / f"gates-{label}"
         cmd = [sys.executable, "-m", "pytest", *GATE_FILES, "-m", "gate", "--engine-profile", profile,
                "--reference", refs[tag], "--results", str(res_dir), "-p", "no:cacheprovider", "-q", "-rA",
-               "--timeout", str(timeout), "-o", "addopts="]
+               "--timeout", str(timeout)] + [x for f in flags for x in ("--engine-flag", f)]
         t = time.time()
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
-        (s.work / f"gates-{profile}.log").write_text(r.stdout + r.stderr)
+        (s.work / f"gates-{label}.log").write_text(r.stdout + r.stderr)
         wall = time.time() - t
         summary = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "XFAIL", "SKIPPED"))]
         got = {"rc": r.returncode, "seconds": round(wall, 1), "tests": summary,
@@ -158,8 +205,8 @@ def stage_gates(s: Session, refs: dict, bits: list[float], timeout: int) -> dict
         rj = res_dir / "results.json"
         if rj.exists():
             got["results"] = json.loads(rj.read_text())
-        runs[profile] = got
-        s.log(f"gates {profile}: rc {r.returncode} in {wall:.1f} s; " + "; ".join(summary))
+        runs[label] = got
+        s.log(f"gates {label}: rc {r.returncode} in {wall:.1f} s; " + "; ".join(summary))
         s.res["gates"] = runs
         s.save()
     return runs
@@ -196,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="results: session JSON, kernel table, logs")
     ap.add_argument("--work", type=Path, default=Path("/tmp/exl3-session"), help="references, gate results")
     ap.add_argument("--bits", type=float, nargs="+", default=[4, 2])
-    ap.add_argument("--stages", nargs="+", default=["models", "refs", "kernels", "gates", "kl_canfail"])
+    ap.add_argument("--stages", nargs="+", default=["models", "refs", "kernels", "gates", "kl_canfail",
+                                                        "prefix_probe"])
     ap.add_argument("--gate-timeout", type=int, default=150)
+    ap.add_argument("--gate-flags", nargs="*", default=[], help="--engine-flag for every gated profile")
+    ap.add_argument("--no-bf16-gates", action="store_true", help="gate only the EXL3 profiles")
+    ap.add_argument("--kernel-modes", type=int, nargs="+", default=[2, 1, 0], help="EXL3_INT8_GEMV modes")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -216,11 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     if "models" in a.stages:
         models = s.stage("models", stage_models, s, a.bits)
     if "kernels" in a.stages:
-        s.stage("kernels", stage_kernels, s)
+        s.stage("kernels", stage_kernels, s, a.kernel_modes)
     if "refs" in a.stages and models:
         refs = s.stage("refs", stage_refs, s, models, a.bits)
     if "gates" in a.stages and refs:
-        s.stage("gates", stage_gates, s, refs, a.bits, a.gate_timeout)
+        s.stage("gates", stage_gates, s, refs, a.bits, a.gate_timeout, a.gate_flags, not a.no_bf16_gates)
+    if "prefix_probe" in a.stages and models:
+        s.stage("prefix_probe", stage_prefix_probe, s)
     if "kl_canfail" in a.stages and refs:
         s.stage("kl_canfail", stage_kl_canfail, s, refs, a.bits)
     s.res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

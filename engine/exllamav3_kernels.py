@@ -203,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import exllamav3
 
+    import os
+
+    mode = os.environ.get("EXL3_INT8_GEMV", "2")   # exllamav3's CUDA default is 2 (exl3_gemv_int8.cu)
     cases = run_cases(ext, "cuda", a.n)
+    for c in cases:
+        c["exl3_int8_gemv"] = int(mode)
     res = {"what": "exllamav3 EXL3 kernels vs the oracle's exact EXL3 decode + float64 GEMM",
+           "exl3_int8_gemv": int(mode),
            "exllamav3": getattr(exllamav3, "__version__", "?"), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "seconds": round(time.time() - t0, 1), "factor": FACTOR,
            "summary": summary(cases), "cases": cases}
