@@ -257,6 +257,8 @@ def localize_cmd(
     floor: str = typer.Option(None, "--floor", help="the floor's precision (default: fp64 for fp32 engines, "
                               "bf16 otherwise; reference-bf16 for the DeepSeek oracle)"),
     no_decode: bool = typer.Option(False, "--no-decode", help="prefill only (no decode step)"),
+    keep_captures: bool = typer.Option(False, "--keep-captures", help="keep the engine's raw per-site rows "
+                                       "(DIR/work/captures/*.safetensors)"),
 ) -> None:
     """Name the first layer and module where the engine leaves the oracle, for one prompt."""
     if prompt_file is not None:
@@ -268,6 +270,10 @@ def localize_cmd(
                         engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode)
     rec = recs["run"]
     paths = write_outputs(rec, Path(out))
+    if not keep_captures:
+        import shutil
+
+        shutil.rmtree(Path(out) / "work" / "captures", ignore_errors=True)
     from reports.localize import headline
 
     typer.echo(headline(rec))

@@ -71,6 +71,9 @@ def localize_failed_gate(config: pytest.Config, run, runner=None) -> dict | None
         run.add("localize", {"seq_id": seq_id, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
         return None
     paths = write_outputs(rec, out)
+    import shutil
+
+    shutil.rmtree(out / "work" / "captures", ignore_errors=True)   # the raw rows: the record holds the distances
     sec = section(rec, label=f"{seq_id} (mean KL_part {kl:.3g})")
     run.add_section(TITLE, sec["rows"], sec["note"])
     plots = dict(getattr(run, "report_plots", None) or {})
