@@ -104,11 +104,11 @@ class _Oracle:
         self.forward_s = 0.0
         self.load_s = 0.0
 
-    def capture(self, ids: Sequence[int]) -> dict:
+    def capture(self, ids: Sequence[int], layers: Sequence[int] | None = None) -> dict:
         from oracle.capture import capture_dsv41, capture_hf, load_hf
 
         if self.kind == "deepseek":
-            acts, info = capture_dsv41(self.model_dir, ids, self.precision)
+            acts, info = capture_dsv41(self.model_dir, ids, self.precision, layers=layers)
             self.load_s += info["load_s"]
         else:
             if self._loaded is None:
@@ -116,7 +116,7 @@ class _Oracle:
                 base = self.base._loaded if self.base is not None else None   # a copy of the fp32 load
                 self._loaded = load_hf(self.model_dir, self.precision, base=base)
                 self.load_s += time.perf_counter() - t
-            acts, info = capture_hf(self.model_dir, ids, self.precision, oracle=self._loaded)
+            acts, info = capture_hf(self.model_dir, ids, self.precision, layers=layers, oracle=self._loaded)
         self.forward_s += info["forward_s"]
         self.info = info
         return acts
@@ -140,10 +140,11 @@ def _to_numpy(t) -> Any:
 def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                  cases: Sequence[dict] = ({"name": "run", "perturb": "env"},), flags: Sequence[str] = (),
                  engine_env: Mapping[str, str] | None = None, factor: float = DEFAULT_FACTOR,
-                 floor: str | None = None, decode: bool = True, echo: Callable[[str], None] = _say
-                 ) -> dict[str, LocalizeRecord]:
+                 floor: str | None = None, decode: bool = True, layers: Sequence[int] | None = None,
+                 echo: Callable[[str], None] = _say) -> dict[str, LocalizeRecord]:
     """Every case through ONE engine process, the oracle and its floor once per distinct decode token; one
-    LocalizeRecord per case."""
+    LocalizeRecord per case. ``layers``: capture only these decoder layers (memory: the engine holds the asked
+    layers' rows for the prompt; a first pass on a few layers, then the stretch between them, bisects)."""
     from core.version import code_version
     from engine.localize import LazyCaptures, engine_invocation, run_engine_captures
 
@@ -153,7 +154,7 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
     floor = floor or floor_precision(kind, inv.dtype)
     echo(f"engine {profile} ({inv.dtype}) in process: {len(cases)} case(s), {len(ids)} prompt tokens "
          f"+ {'1 decode step' if decode else 'no decode'}")
-    report = run_engine_captures(inv, ids, cases, Path(work), decode=decode)
+    report = run_engine_captures(inv, ids, cases, Path(work), decode=decode, layers=layers)
     echo(f"engine done in {report['wall_s']:.1f} s (load {report['load_s']:.1f} s); oracle {kind} fp32 and the "
          f"{floor} floor")
     oracle = _Oracle(kind, model_dir, "fp32")
@@ -168,8 +169,8 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
         full = list(ids) + ([tok] if decode else [])
         if tok not in refs:
             t = time.perf_counter()
-            refs[tok] = (_phased(oracle.capture(full), len(ids), decode),
-                         _phased(floor_orc.capture(full), len(ids), decode))
+            refs[tok] = (_phased(oracle.capture(full, layers), len(ids), decode),
+                         _phased(floor_orc.capture(full, layers), len(ids), decode))
             echo(f"oracle + floor captured in {time.perf_counter() - t:.1f} s")
         o_acts, f_acts = refs[tok]
         t = time.perf_counter()
@@ -232,6 +233,18 @@ def worst_prompt(reference, engine_record) -> tuple[str, float]:
 
 # ------------------------------------------------------------------------------------------ the command
 
+def _layer_list(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--layers {text!r}: expected comma-separated layer indices, e.g. 0,8,16") from None
+    if not out:
+        raise UserError("--layers: no layer given")
+    return out
+
+
 def _env_pairs(items: Sequence[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -259,6 +272,7 @@ def localize_cmd(
     no_decode: bool = typer.Option(False, "--no-decode", help="prefill only (no decode step)"),
     keep_captures: bool = typer.Option(False, "--keep-captures", help="keep the engine's raw per-site rows "
                                        "(DIR/work/captures/*.safetensors)"),
+    layers: str = typer.Option(None, "--layers", help="only these decoder layers, e.g. 0,8,16,24 (default: all)"),
 ) -> None:
     """Name the first layer and module where the engine leaves the oracle, for one prompt."""
     if prompt_file is not None:
@@ -267,7 +281,8 @@ def localize_cmd(
         prompt = Path(prompt_file).read_text(encoding="utf-8")
     ids, source = prompt_ids(engine_profile, prompt, panel_item, panel, max_prompt_tokens)
     recs = run_localize(engine_profile, ids, source, Path(out) / "work", flags=engine_flag,
-                        engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode)
+                        engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode,
+                        layers=_layer_list(layers))
     rec = recs["run"]
     paths = write_outputs(rec, Path(out))
     if not keep_captures:

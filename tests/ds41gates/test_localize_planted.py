@@ -97,7 +97,7 @@ def test_the_cli_writes_the_record_plot_and_summary(planted, tmp_path, monkeypat
                "--out", str(out)])
     assert rc == 0
     assert seen["profile"] == PROFILE and len(seen["ids"]) == 16 and seen["source"]["seq_id"] == ITEM
-    assert seen["engine_env"] == ENV_FAULT and seen["decode"] is True
+    assert seen["engine_env"] == ENV_FAULT and seen["decode"] is True and seen["layers"] is None
     data = json.loads((out / "localize.json").read_text())
     assert data["format"] == "ds41-localize/1"
     assert (data["verdict"]["first_divergent_layer"], data["verdict"]["first_divergent_module"]) == (7, "attn")
@@ -105,3 +105,6 @@ def test_the_cli_writes_the_record_plot_and_summary(planted, tmp_path, monkeypat
     assert "| 7 |" in (out / "localize.md").read_text()
     assert main(["localize", "--out", str(out), "--prompt", "x", "--panel-item", ITEM]) == 2   # one of the two
     assert main(["localize", "--out", str(out), "--prompt", "a b c", "--engine-env", "NOEQUALS"]) == 2
+    assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "0,15,29"]) == 0
+    assert seen["layers"] == [0, 15, 29]
+    assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "x"]) == 2
