@@ -25,15 +25,25 @@ def _need_exllamav3():
 
 
 def test_exl3_kernels_against_exact_decode_and_planted_faults():
+    """Every planted fault FAILs; every real case PASSes except, in exllamav3's default EXL3_INT8_GEMV=2, the
+    m = 1 mul1 GEMV, whose int8 activations put it 17-26x over the fp16 floor on the H200 (docs/EXLLAMAV3.md §6):
+    asserted as found, so a change in exllamav3 shows up here."""
+    import os
+
     _need_exllamav3()
     from exllamav3.ext import exllamav3_ext as ext
 
     from engine import exllamav3_kernels as K
 
-    cases = K.run_cases(ext, "cuda", n=256, log=lambda _m: None)
+    cases = K.run_cases(ext, "cuda", n=512, log=lambda _m: None)
     s = K.summary(cases)
     assert s["planted_detected"] == s["planted"] > 0, [c for c in cases if c["planted"] and not c["detected"]]
-    assert s["pass"] == s["of"], [c for c in cases if not c["planted"] and c["verdict"] != "PASS"]
+    int8 = os.environ.get("EXL3_INT8_GEMV", "2") == "2"
+    is_int8_gemv = lambda c: int8 and c["kernel"] == "exl3_gemv" and c["codebook"] == "mul1"
+    real = [c for c in cases if not c["planted"]]
+    assert all(c["verdict"] == "PASS" for c in real if not is_int8_gemv(c)), \
+        [c for c in real if not is_int8_gemv(c) and c["verdict"] != "PASS"]
+    assert all(c["verdict"] == "FAIL" for c in real if is_int8_gemv(c))
 
 
 def test_front_on_the_tiny_v4_decode_agrees_with_prefill():
