@@ -2,26 +2,38 @@
 # Builds the llama-cpp-python 0.3.36 engine environment outside the checkout (cached across clones).
 #
 # docs/engines.md §11.3: PyPI has only the sdist. A default (-march=native) build compiles AMX
-# paths that die with SIGILL inside VMs that do not enable AMX state, so we build portable
-# (GGML_NATIVE=OFF + explicit AVX2/FMA/F16C/BMI2) and never let pip reuse a cached native wheel
-# (--no-cache-dir). The built wheel is kept under $DS41_CACHE/wheels/<key>/ where <key> hashes the
-# CMake flags, so a wheel built with other flags is never picked up. The venv is ready only when
-# its .ds41-ready stamp exists; a venv without the stamp is an interrupted build and is rebuilt.
+# paths that die with SIGILL inside VMs that do not enable AMX state, so the native code is built
+# portable (GGML_NATIVE=OFF + explicit AVX2/FMA/F16C/BMI2). It is not compiled here: the package's
+# shared libraries (libllama, libggml*, libmtmd) are the ones scripts/setup-llama-server.sh builds from
+# the llama.cpp tree vendored in the same pinned sdist, together with the C++ llama-server. This script
+# installs the Python package from that very sdist with LLAMA_BUILD=OFF/LLAVA_BUILD=OFF (scikit-build-core
+# configures an empty CMake project and compiles nothing), refuses a package that ships its own libraries,
+# and copies the built libraries into the package's llama_cpp/lib, where llama_cpp loads them. One source,
+# one build: the bindings and the libraries cannot disagree on the ABI.
+#
+# The venv is ready only when its .ds41-ready stamp holds the key (version + the llama.cpp build's key,
+# which hashes the sdist and its CMake flags), written last: a venv from another build, or an interrupted
+# one, is rebuilt.
 #
 # Prints the venv path on stdout (everything else goes to stderr). Idempotent; fast when cached.
 set -euo pipefail
 version="0.3.36"
+here="$(cd "$(dirname "$0")" && pwd)"
 cache="${DS41_CACHE:-$HOME/.cache/ds41-gates}"
-cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-key="$(printf '%s|%s' "$version" "$cmake_args" | sha256sum | cut -c1-12)"
-wheel_dir="$cache/wheels/llama-cpp-python-$version-$key"
+pip_cmake_args="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"
 venv="$cache/venvs/llama-cpp-python-$version"
 stamp="$venv/.ds41-ready"
 log() { echo "[setup-llamacpp] $*" >&2; }
 
+# The one llama.cpp build (cached; builds on first use) and its key.
+binary="$(bash "$here/setup-llama-server.sh")"
+build="$(dirname "$(dirname "$binary")")"
+build_key="$(cat "$build/.ds41-ready")"
+key="$(printf '%s|%s|%s' "$version" "$build_key" "$pip_cmake_args" | sha256sum | cut -c1-12)"
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then echo "$venv"; exit 0; fi
 
-mkdir -p "$cache/wheels" "$cache/venvs" "$cache/locks"
+mkdir -p "$cache/venvs" "$cache/locks"
 exec 9>"$cache/locks/llama-cpp-python.lock"
 if ! flock -n 9; then
   log "another set-up holds $cache/locks/llama-cpp-python.lock; waiting"
@@ -31,44 +43,48 @@ fi
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then echo "$venv"; exit 0; fi
 
 py="${PYTHON:-python3.11}"; command -v "$py" >/dev/null || py=python3
+sdist="$(bash "$here/setup-llama-server.sh" --sdist)"   # the pinned, sha256-checked sdist the libraries came from
 
-find_wheel() { compgen -G "$wheel_dir/llama_cpp_python-$version-*.whl" | head -n1 || true; }
-wheel="$(find_wheel)"
-if [ -z "$wheel" ]; then
-  log "building llama-cpp-python $version from sdist (portable flags; ~7 min on 2 cores)"
-  log "CMAKE_ARGS=$cmake_args"
-  tmp="$wheel_dir.partial"
-  rm -rf "$tmp"
-  mkdir -p "$tmp"
-  t0=$(date +%s)
-  CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
-    "$py" -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python \
-      "llama-cpp-python==$version" -w "$tmp" 1>&2
-  built="$(compgen -G "$tmp/llama_cpp_python-$version-*.whl" | head -n1 || true)"
-  if [ -z "$built" ]; then log "ERROR: pip wheel produced no llama_cpp_python wheel in $tmp"; exit 1; fi
-  printf '%s\n' "$cmake_args" > "$tmp/CMAKE_ARGS"
-  rm -rf "$wheel_dir"
-  mv "$tmp" "$wheel_dir"
-  log "built wheel in $(( $(date +%s) - t0 )) s"
-  wheel="$(find_wheel)"
-else
-  log "using cached wheel $wheel"
-fi
-
+t0=$(date +%s)
 log "creating venv $venv"
 rm -rf "$venv"
 "$py" -m venv "$venv"
-"$venv/bin/pip" install -q --no-cache-dir --find-links "$wheel_dir" "${wheel}[server]" openai 1>&2
-# The installed package must be the portable wheel we built, never a rebuilt one.
-"$venv/bin/python" - "$version" 1>&2 <<'EOF'
-import sys, llama_cpp
-want = sys.argv[1]
+log "installing llama-cpp-python $version from $sdist without its C++ build (CMAKE_ARGS=$pip_cmake_args)"
+CMAKE_ARGS="$pip_cmake_args" "$venv/bin/pip" install -q --no-cache-dir "${sdist}[server]" openai 1>&2
+pkg="$("$venv/bin/python" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("llama_cpp").origin))')"
+if [ -n "$(find "$pkg" \( -name '*.so' -o -name '*.so.*' \) -print -quit)" ]; then
+  log "ERROR: the installed package $pkg ships native libraries of its own (was it built with LLAMA_BUILD on?)"
+  exit 1
+fi
+# Copy under a shared lock on the build, so a concurrent rebuild cannot swap lib/ under us.
+exec 8>"$cache/locks/llama-server.lock"
+flock -s 8
+if [ "$(cat "$build/.ds41-ready" 2>/dev/null)" != "$build_key" ]; then
+  log "ERROR: the llama.cpp build in $build changed while installing; run again"; exit 1
+fi
+mkdir -p "$pkg/lib"
+cp -a "$build/lib/." "$pkg/lib/"
+exec 8>&-
+# The installed package must load the libraries we built (and nothing from elsewhere).
+"$venv/bin/python" - "$version" "$pkg/lib" 1>&2 <<'PY'
+import os, sys
+os.environ.pop("LLAMA_CPP_LIB_PATH", None)
+import llama_cpp
+want, libdir = sys.argv[1], os.path.realpath(sys.argv[2])
 if llama_cpp.__version__ != want:
     raise SystemExit(f"llama_cpp {llama_cpp.__version__} installed, expected {want}")
 import llama_cpp.server.app  # the [server] extra imports
-print("llama_cpp", llama_cpp.__version__, "system_info:", llama_cpp.llama_print_system_info().decode())
-EOF
+import llama_cpp.mtmd_cpp    # libmtmd, loaded lazily by the multimodal chat handlers
+loaded = {os.path.realpath(l.split()[-1]) for l in open("/proc/self/maps") if "/lib" in l and (" /" in l)}
+ours = sorted(p for p in loaded if os.path.basename(p).startswith(("libllama", "libggml", "libmtmd")))
+stray = [p for p in ours if os.path.dirname(p) != libdir]
+if stray or not ours:
+    raise SystemExit(f"llama_cpp loaded {ours}; expected only files under {libdir}")
+print("llama_cpp", llama_cpp.__version__, "libs:", [os.path.basename(p) for p in ours])
+print("system_info:", llama_cpp.llama_print_system_info().decode())
+PY
 printf '%s\n' "$key" > "$stamp.tmp"
 mv "$stamp.tmp" "$stamp"
+log "installed in $(( $(date +%s) - t0 )) s, libraries from $build/lib"
 log "ready: $venv"
 echo "$venv"
