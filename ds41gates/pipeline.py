@@ -161,7 +161,9 @@ def common_sequences(ref: Record, engines: Sequence[tuple[str, Record]]) -> tupl
 
 def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Path,
                  gate_results: Sequence["PanelGateResult"] = (), extra: dict | None = None,
-                 plots: dict | None = None):
+                 plots: dict | None = None, errored: Sequence[str] = ()):
+    """The report set; it opens with each engine's KL-panel verdict, and an ERROR row naming the gates that
+    `errored` (neither passed nor failed: no PASS can stand beside them)."""
     from reports.render import build_report
 
     sections = dict(extra or {})
@@ -177,7 +179,12 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
                 rows.append({"engine": g.label, "profile": g.profile, **r})
         sections["KL panel gate verdicts"] = {
             "rows": rows, "note": "pass rule of gates.md §3; bands in gates/bands.toml"}
-    return build_report(ref, list(engines), out_dir, extra=sections, extra_plots=plots)
+    verdicts = [{"engine": g.label, "verdict": "PASS" if g.passed else "FAIL", "why": "; ".join(g.failures[:3])}
+                for g in gate_results]
+    if errored:
+        verdicts.append({"engine": "gate session", "verdict": "ERROR",
+                         "why": f"{len(errored)} gate(s) errored: {', '.join(errored[:5])}"})
+    return build_report(ref, list(engines), out_dir, extra=sections, extra_plots=plots, verdicts=verdicts)
 
 
 def results_dir(base: str | os.PathLike | None = None, replace: bool = False, option: str = "--results") -> Path:

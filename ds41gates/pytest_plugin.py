@@ -452,7 +452,8 @@ def _write_session_report(config: pytest.Config) -> None:
     if run.outcomes:
         sections[OUTCOMES_TITLE] = _outcomes_section(run)
     paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
-                         plots=getattr(run, "report_plots", None))   # the localizer's (ds41gates/localize_plugin.py)
+                         plots=getattr(run, "report_plots", None),   # the localizer's (ds41gates/localize_plugin.py)
+                         errored=[run.outcomes[n]["gate"] for n in run.errored()])
     config._ds41_report = paths
 
 

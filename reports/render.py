@@ -263,13 +263,31 @@ def _noise_floor_data(floor: EngineResult, results: Sequence[EngineResult], doma
     }
 
 
+def headline(results: Sequence[EngineResult], verdicts: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
+    """What the report opens with: per engine its verdict (PASS / FAIL / ERROR from the gates, or "not gated"
+    when no gate judged it), why, and the headline numbers, KL_part mean, top-1 on decided positions and the
+    perplexity ratio, all over the whole panel. A row for "gate session" carries a session-wide ERROR."""
+    by_label = {str(v["engine"]): v for v in verdicts}
+    rows = []
+    for r in results:
+        o = r.panel.overall
+        v = by_label.pop(r.label, {})
+        rows.append({"engine": r.label, "verdict": v.get("verdict", "not gated"), "why": v.get("why", ""),
+                     "kl_part_mean": o.kl_part.mean, "top1_decided": o.top1_decided,
+                     "ppl_ratio": o.perplexity.get("ratio")})
+    rows += [{"engine": str(v["engine"]), "verdict": v["verdict"], "why": v.get("why", ""),
+              "kl_part_mean": None, "top1_decided": None, "ppl_ratio": None} for v in by_label.values()]
+    return rows
+
+
 def report_data(reference: Record, results: Sequence[EngineResult], extra: Mapping[str, Any] | None = None,
                 n_boot: int = 2000, seed: int = 0, title: str | None = None,
-                noise_floor: EngineResult | None = None) -> dict:
+                noise_floor: EngineResult | None = None, verdicts: Sequence[Mapping[str, Any]] = ()) -> dict:
     """Everything the report shows, as plain JSON types (pure apart from the creation time)."""
     prov = reference.provenance
     domains = list(dict.fromkeys(reference.domains))
     return jsonable({
+        "verdicts": headline(results, verdicts),
         "format": REPORT_FORMAT,
         "title": title or f"KL panel report: {prov.panel_name}@{prov.panel_version}",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -390,14 +408,16 @@ def render_html(data: dict, plots: Mapping[str, str]) -> str:
 def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
                  extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
                  title: str | None = None, noise_floor: tuple[str, Record] | None = None,
-                 extra_plots: Mapping[str, str] | None = None) -> ReportPaths:
+                 extra_plots: Mapping[str, str] | None = None,
+                 verdicts: Sequence[Mapping[str, Any]] = ()) -> ReportPaths:
     """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`.
-    `noise_floor`: (label, the oracle's other-precision record), shown beside every engine's KL."""
+    `noise_floor`: (label, the oracle's other-precision record), shown beside every engine's KL.
+    `verdicts`: [{"engine": label, "verdict": "PASS" | "FAIL" | "ERROR", "why": text}], the first thing shown."""
     from reports import plots  # matplotlib is imported only when a report is drawn
 
     results = evaluate(reference, engines, n_boot, seed)
     floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
-    data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor))
+    data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor, verdicts))
     images = plots.render_all(data, results)
     images.update(extra_plots or {})   # {caption: base64 PNG} drawn by others (the divergence localizer)
     out = Path(out_dir)

@@ -409,3 +409,25 @@ def test_cli_noise_floor_is_shown_beside_each_engine_and_engine_records_are_refu
     assert bad.exit_code == 2
     assert "is an 'engine' record" in bad.output
     assert not (tmp_path / "bad" / "report.json").exists()
+
+
+def test_the_report_opens_with_the_verdicts_and_headline_numbers(tmp_path):
+    """Verdicts first (before provenance), each engine's headline numbers equal to its panel metrics; a gate
+    session's ERROR is a row of its own; an engine no gate judged says so instead of passing."""
+    from core.verdicts import PanelGateResult
+    from ds41gates.pipeline import write_report
+
+    ref, eng, _ = _records()
+    gate = PanelGateResult("e", "vllm-cpu-fp32", False, ["code: KL_part mean 0.3 > 0.01"], [], {})
+    paths = write_report(ref, [("e", eng), ("other", eng)], tmp_path, [gate], errored=["test_prefix_cache"])
+    data = _strict_json(paths.json)
+    rows = {v["engine"]: v for v in data["verdicts"]}
+    assert rows["e"]["verdict"] == "FAIL" and "KL_part mean 0.3" in rows["e"]["why"]
+    assert rows["e"]["kl_part_mean"] == pytest.approx(data["engines"][0]["metrics"]["overall"]["kl_part"]["mean"])
+    assert rows["other"]["verdict"] == "not gated"
+    assert rows["gate session"]["verdict"] == "ERROR" and "test_prefix_cache" in rows["gate session"]["why"]
+    html = paths.html.read_text(encoding="utf-8")
+    assert html.index('<h2 id="verdicts">Verdicts</h2>') < html.index('<h2 id="provenance">')
+    assert "<b>FAIL</b>" in html and "<b>ERROR</b>" in html
+    md = paths.markdown.read_text(encoding="utf-8")
+    assert md.index("## Verdicts") < md.index("## Provenance") and "| e | **FAIL** |" in md
