@@ -16,21 +16,29 @@ request.json::
 One ``vllm.LLM`` is built from the engine arguments (prefix caching off, so every case computes the prompt
 again; eager, because forward hooks do not fire inside a compiled graph). Everything that touches the model goes
 through ``LLM.apply_model(fn)``, which runs ``fn(model)`` in every worker and returns one result per worker:
-forward hooks are put on each decoder layer and on its attention and MLP/MoE sub-modules, the prompt is
-generated greedily for 2 tokens (the prefill forward, then one decode forward), and each worker hands back the
-captured rows (fp32, CPU). Per case, one ``<out_dir>/<name>.safetensors`` holds ``prefill/L<i>.<site>`` [n, d]
-and ``decode/L<i>.<site>`` [1, d].
+forward hooks are put on each decoder layer and on its attention and MLP/MoE sub-modules, and the prompt is
+generated greedily for 2 tokens (the prefill forward, then one decode forward). Per case, one
+``<out_dir>/<name>.safetensors`` holds ``prefill/L<i>.<site>`` [n, d] and ``decode/L<i>.<site>`` [1, d] (fp32).
+
+Memory: one site's rows at a time, in the worker and in the driver. A hook keeps nothing: as it fires it writes
+its capture (fp32, CPU) to the case's spill folder ``<out_dir>/<name>.spill/`` as one small safetensors file per
+layer, site and forward call, ``L<i>.<site>.c<call>.safetensors`` (tensor ``rows``; written to ``.tmp`` and
+renamed). After generate the driver assembles ``<name>.safetensors`` from the spill one site at a time: the
+header from the spill files' headers, then per site its call files read, concatenated, split into the prefill
+rows and the decode row and appended to the file, and deleted; the spill folder goes with the last of them.
 
 Sites: ``attn`` = the attention module's output (o_proj, before the residual add), ``mlp`` = the MLP/MoE output
 (down projection / expert sum, before the add), ``resid`` = the full residual stream leaving the layer. vLLM's
 decoder layers return ``(hidden_states, residual)`` with the last add deferred into the next layer's fused
 add-RMSNorm, so the stream is rebuilt as their sum; the fused norm also works IN PLACE, so every capture is
-cloned inside its hook. A layer that returns one tensor (hyper-connection streams [n, hc, d] included) is
-captured as it is.
+copied (and written) inside its hook. A layer that returns one tensor (hyper-connection streams [n, hc, d]
+included) is captured as it is.
 
 Tensor / pipeline parallel (the GPU box): each TP rank's hooked outputs are the all-reduced ones (row-parallel
-o_proj / down_proj reduce before returning), so every TP rank holds the same rows and the first worker's are
-kept; PP ranks hold their own layers, so the per-worker dicts are merged key by key. The callables handed to
+o_proj / down_proj reduce before returning), so every TP rank holds the same rows and only rank 0 of the TP group
+writes its spill (the other ranks' hooks write nothing); PP ranks hold their own layers (a layer another PP rank
+owns is a ``PPMissingLayer`` here and gets no hook), so every PP rank writes its own layers' files into the same
+spill folder (the workers share the host's file system; the names never collide). The callables handed to
 ``apply_model`` are module-level functions (``functools.partial``), so they pickle by reference when the engine
 core runs in another process (VLLM_ALLOW_INSECURE_SERIALIZATION=1 is set for that case).
 """
@@ -40,6 +48,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import shutil
 import sys
 import time
 import traceback
@@ -81,21 +91,60 @@ def _stream(layer, out):
     return out
 
 
+def _tp_writer() -> bool:
+    """Whether this worker writes the captures: rank 0 of its tensor-parallel group (TP ranks hold identical
+    rows); every pipeline-parallel rank writes its own layers. No distributed state (a plain model): True."""
+    try:
+        from vllm.distributed import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - not under vLLM's workers (tests, a plain torch model)
+        return True
+
+
+def spill_name(key: str, call: int) -> str:
+    """The spill file of one site's capture in one forward call: ``L3.mlp.c00000.safetensors``."""
+    return f"{key}.c{call:05d}.safetensors"
+
+
+_SPILL_NAME = re.compile(r"^(L\d+\.[a-z]+)\.c(\d+)\.safetensors$")
+
+
+def _spill_write(path: str, t) -> None:
+    """One capture to its own file, atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    tmp = path + ".tmp"
+    save_file({"rows": t}, tmp)
+    os.replace(tmp, path)
+
+
 def install(model, sites=SITES, layers=None) -> dict:
-    """Hooks on the decoder layers' sites; captures accumulate per forward call until take()."""
+    """Hooks on the decoder layers' sites. They keep nothing: between begin() and end() each capture is written to
+    the case's spill folder as it fires (this worker being a writer, see _tp_writer), else dropped."""
+    import torch
+
     remove(model)
     name, mods = decoder_layers(model)
     wanted = set(range(len(mods))) if layers is None else {int(i) % len(mods) for i in layers}
-    store: dict[str, list] = {}
-    handles = []
+    state: dict = {"handles": [], "spill": None, "calls": {}, "writer": _tp_writer()}
+    handles = state["handles"]
     names = {}
 
     def keep(key, t):
-        store.setdefault(key, []).append(t.detach().to("cpu", dtype=__import__("torch").float32, copy=True))
+        folder = state["spill"]
+        if folder is None or not state["writer"]:
+            return
+        call = state["calls"].get(key, 0)
+        state["calls"][key] = call + 1
+        _spill_write(os.path.join(folder, spill_name(key, call)),
+                     t.detach().to("cpu", dtype=torch.float32, copy=True).contiguous())
 
+    hooked = []
     for i, layer in enumerate(mods):
-        if i not in wanted:
+        if i not in wanted or type(layer).__name__ == "PPMissingLayer":   # PP: another rank's layer
             continue
+        hooked.append(i)
         if "resid" in sites:
             handles.append(layer.register_forward_hook(
                 lambda m, a, out, k=f"L{i}.resid": keep(k, _stream(m, out))))
@@ -111,19 +160,31 @@ def install(model, sites=SITES, layers=None) -> dict:
                     break
             else:
                 raise RuntimeError(f"{type(layer).__name__}: none of {ROLE_NAMES[role]} for site {role!r}")
-    setattr(model, _ATTR, {"handles": handles, "store": store})
+    setattr(model, _ATTR, state)
     return {"layers_module": name, "n_layers": len(mods), "layer_class": type(mods[0]).__name__,
-            "site_modules": names, "captured_layers": sorted(wanted), "pid": os.getpid()}
+            "site_modules": names, "captured_layers": sorted(wanted), "hooked_layers": hooked,
+            "writer": state["writer"], "pid": os.getpid()}
 
 
-def take(model) -> dict:
-    """{key: [rows of each forward call]} captured since the last take(); clears them."""
+def begin(model, spill: str) -> dict:
+    """From now on the hooks write into ``spill`` (call indices from 0)."""
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise RuntimeError("begin(): no capture hooks installed")
+    if state["writer"]:
+        os.makedirs(spill, exist_ok=True)
+    state["spill"], state["calls"] = spill, {}
+    return {"writer": state["writer"], "pid": os.getpid()}
+
+
+def end(model) -> dict:
+    """Stop writing; -> {key: forward calls written} of this worker."""
     state = getattr(model, _ATTR, None)
     if state is None:
         return {}
-    out = {k: list(v) for k, v in state["store"].items()}
-    state["store"].clear()
-    return out
+    calls = dict(state["calls"])
+    state["spill"], state["calls"] = None, {}
+    return calls
 
 
 def remove(model) -> None:
@@ -161,6 +222,116 @@ def _merge(per_worker: list[dict]) -> dict:
     return merged
 
 
+def _site_order(key: str) -> tuple[int, int]:
+    layer, site = key[1:].split(".", 1)
+    return int(layer), SITES.index(site) if site in SITES else len(SITES)
+
+
+def _read_spill(path: str):
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor("rows")
+
+
+def _spill_shape(path: str) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return list(f.get_slice("rows").get_shape())
+
+
+class _StreamedSafetensors:
+    """A safetensors file written one tensor at a time: the header (every name, shape and offset) first, then
+    each tensor's bytes as it comes, in the header's order; renamed into place by close(). Float32 only (every
+    capture is), little-endian as the format wants (the hosts here are)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, list[int]]]):
+        import math
+
+        header, off = {}, 0
+        for name, shape in entries:
+            size = 4 * math.prod(shape)
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [off, off + size]}
+            off += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self._tmp, self._order, self._next = path, path + ".tmp", [n for n, _ in entries], 0
+        self._shapes = dict(entries)
+        self._fh = open(self._tmp, "wb")
+        self._fh.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, t) -> None:
+        import torch
+
+        if self._next >= len(self._order) or name != self._order[self._next]:
+            raise RuntimeError(f"streamed safetensors: {name!r} out of order")
+        if list(t.shape) != self._shapes[name] or t.dtype != torch.float32:
+            raise RuntimeError(f"{name}: {tuple(t.shape)} {t.dtype}, header says {self._shapes[name]} float32")
+        self._fh.write(t.contiguous().numpy().data)
+        self._next += 1
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._next != len(self._order):
+            raise RuntimeError(f"streamed safetensors: {len(self._order) - self._next} tensor(s) never written")
+        os.replace(self._tmp, self.path)
+
+
+def assemble(spill: str, path: str, n: int, steps: int) -> dict:
+    """The case's spill folder -> ``path`` (``prefill/L<i>.<site>`` [n, ...] and, with a decode step,
+    ``decode/L<i>.<site>`` [1, ...]), one site in memory at a time; each spill file is deleted once read and the
+    folder at the end. -> {"tensors", "spill_files", "rows_per_call"}."""
+    import torch
+
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for fname in (os.listdir(spill) if os.path.isdir(spill) else ()):   # no folder: no hook (sites=[])
+        m = _SPILL_NAME.match(fname)
+        if m is None:
+            raise RuntimeError(f"{spill}: unexpected file {fname!r}")
+        groups.setdefault(m.group(1), []).append((int(m.group(2)), os.path.join(spill, fname)))
+    plan, entries, calls_seen = [], [], None
+    for key in sorted(groups, key=_site_order):
+        files = [f for _, f in sorted(groups[key])]
+        shapes = [_spill_shape(f) for f in files]
+        calls_seen = [int(sh[0]) for sh in shapes]
+        if sum(calls_seen) < n + (steps - 1):
+            raise RuntimeError(f"{key}: {sum(calls_seen)} rows captured for {n} prompt tokens "
+                               f"(+{steps - 1} decode); calls {calls_seen}")
+        shape = shapes[0][1:]
+        plan.append((key, files, shape))
+        entries.append((f"prefill/{key}", [n] + shape))
+        if steps > 1:
+            entries.append((f"decode/{key}", [1] + shape))
+    out = _StreamedSafetensors(path, entries)
+    try:
+        for key, files, shape in plan:
+            parts = [_read_spill(f) for f in files]
+            rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
+            del parts
+            out.write(f"prefill/{key}", rows[:n].reshape([n] + shape))
+            if steps > 1:
+                out.write(f"decode/{key}", rows[n:n + 1].reshape([1] + shape))
+            del rows
+            for f in files:
+                os.remove(f)
+        out.close()
+    except BaseException:
+        out._fh.close()
+        if os.path.exists(out._tmp):
+            os.remove(out._tmp)
+        raise
+    if os.path.isdir(spill):
+        os.rmdir(spill)
+    return {"tensors": len(entries), "spill_files": sum(len(f) for _, f, _ in plan), "rows_per_call": calls_seen}
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def build_llm(engine_args: list[str]):
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -177,7 +348,6 @@ def build_llm(engine_args: list[str]):
 def run(request: dict) -> dict:
     import torch
     import vllm
-    from safetensors.torch import save_file
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
@@ -188,6 +358,7 @@ def run(request: dict) -> dict:
     info = _merge([{"x": r} for r in llm.apply_model(functools.partial(install, sites=sites,
                                                                        layers=request.get("layers")))])["x"]
     report["model"] = info
+    report["max_rss_mb_loaded"] = round(_max_rss_mb(), 1)
     ids = [int(t) for t in request["prompt_ids"]]
     n = len(ids)
     steps = 2 if request.get("decode", True) else 1
@@ -198,36 +369,33 @@ def run(request: dict) -> dict:
         try:
             rec["perturb"] = _merge([{"x": r} for r in llm.apply_model(
                 functools.partial(perturb, spec=case.get("perturb")))])["x"]
-            llm.apply_model(take)  # nothing from before this case
+            spill = os.path.join(request["out_dir"], f"{case['name']}.spill")
+            if os.path.isdir(spill):
+                shutil.rmtree(spill)
+            writers = [w for w in llm.apply_model(functools.partial(begin, spill=spill)) if w["writer"]]
             t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            try:
+                out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            finally:
+                llm.apply_model(end)
             rec["generate_s"] = time.perf_counter() - t
             gen = list(out[0].outputs[0].token_ids)
             rec["generated_ids"] = gen
-            calls = _merge(llm.apply_model(take))
-            tensors = {}
-            calls_seen = None
-            for key, parts in calls.items():
-                rows = torch.cat([p.reshape(p.shape[0], -1) if p.dim() > 2 else p for p in parts], dim=0)
-                shape = list(parts[0].shape[1:])
-                calls_seen = [int(p.shape[0]) for p in parts]
-                if rows.shape[0] < n + (steps - 1):
-                    raise RuntimeError(f"{key}: {rows.shape[0]} rows captured for {n} prompt tokens "
-                                       f"(+{steps - 1} decode); calls {calls_seen}")
-                tensors[f"prefill/{key}"] = rows[:n].reshape([n] + shape).contiguous()
-                if steps > 1:
-                    tensors[f"decode/{key}"] = rows[n:n + 1].reshape([1] + shape).contiguous()
-            rec["rows_per_call"] = calls_seen
+            rec["spill_writers"] = len(writers)
             path = os.path.join(request["out_dir"], f"{case['name']}.safetensors")
-            save_file(tensors, path)
+            done = assemble(spill, path, n, steps)
+            rec["rows_per_call"] = done["rows_per_call"]
+            rec["spill_files"] = done["spill_files"]
             rec["file"] = path
-            rec["tensors"] = len(tensors)
+            rec["tensors"] = done["tensors"]
+            rec["max_rss_mb"] = round(_max_rss_mb(), 1)
         except Exception as e:  # noqa: BLE001 - recorded per case, the harness raises it
             rec["error"] = f"{type(e).__name__}: {e}"
             rec["traceback"] = traceback.format_exc(limit=8)
         report["cases"][case["name"]] = rec
     llm.apply_model(remove)
     report["total_s"] = time.perf_counter() - t0
+    report["max_rss_mb"] = round(_max_rss_mb(), 1)
     with open(request["report"], "w") as fh:
         json.dump(report, fh, indent=1)
     return report

@@ -4,6 +4,7 @@ torch only until vLLM loads it), and the profile -> runner invocation."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,90 @@ def test_the_invocation_is_the_profiles_engine_arguments_without_the_http_front_
     assert inv.env["PYTHONPATH"].split(":")[0] == str(Path(launcher.REPO_ROOT))
     with pytest.raises(UserError, match="in process"):
         engine_invocation("llama-server-f32")
+
+
+def test_the_runners_hooks_keep_nothing_and_spill_one_file_per_layer_site_and_call(tmp_path, monkeypatch):
+    """Memory bound, engine side: each capture is written as its hook fires and dropped (at most the one being
+    written is alive), the spill has one file per layer x site x forward call, and the assembly reads one site's
+    files, writes that site, deletes them, before it reads the next site's."""
+    import weakref
+
+    from safetensors import safe_open
+
+    from engine import localize_runner as lr
+
+    toy = _Toy()
+    ref: dict[str, list[torch.Tensor]] = {}   # the same sites, kept in memory by the test, to check the values
+    for i, layer in enumerate(toy.model.layers):
+        for key, mod in ((f"L{i}.attn", layer.self_attn), (f"L{i}.mlp", layer.mlp), (f"L{i}.resid", layer)):
+            mod.register_forward_hook(lambda m, a, out, k=key: ref.setdefault(k, []).append(out.detach().clone()))
+    live, peak, written = [], [0], []
+    real_write = lr._spill_write
+
+    def spy_write(path, t):
+        live.append(weakref.ref(t))
+        peak[0] = max(peak[0], sum(r() is not None for r in live))
+        written.append(Path(path).name)
+        real_write(path, t)
+
+    monkeypatch.setattr(lr, "_spill_write", spy_write)
+    info = lr.install(toy)
+    assert info["hooked_layers"] == [0, 1, 2] and info["writer"] is True
+    x = torch.randn(12, 4)
+    toy(x)                                     # outside begin()/end(): nothing written, nothing kept
+    assert written == []
+    spill = tmp_path / "case.spill"
+    lr.begin(toy, str(spill))
+    ref.clear()
+    with torch.no_grad():
+        for chunk in (x[:7], x[7:11], x[11:12]):   # a chunked prefill (7 + 4 rows), then one decode row
+            toy(chunk)
+    calls = lr.end(toy)
+    assert peak[0] == 1, f"{peak[0]} captures alive at once in the hooks"
+    assert calls == {f"L{i}.{s}": 3 for i in range(3) for s in ("attn", "mlp", "resid")}
+    names = sorted(p.name for p in spill.iterdir())
+    assert names == sorted(lr.spill_name(f"L{i}.{s}", c) for i in range(3) for s in ("attn", "mlp", "resid")
+                           for c in range(3))
+    assert lr._ATTR in vars(toy) and not any(isinstance(v, torch.Tensor) for v in vars(toy)[lr._ATTR].values())
+
+    events = []
+    real_read, real_remove = lr._read_spill, os.remove
+
+    def spy_read(path):
+        events.append(("read", Path(path).name.split(".c")[0]))
+        return real_read(path)
+
+    real_stream_write = lr._StreamedSafetensors.write
+
+    def spy_stream_write(self, name, t):
+        events.append(("write", name))
+        real_stream_write(self, name, t)
+
+    monkeypatch.setattr(lr, "_read_spill", spy_read)
+    monkeypatch.setattr(lr._StreamedSafetensors, "write", spy_stream_write)
+    out = tmp_path / "case.safetensors"
+    done = lr.assemble(str(spill), str(out), 11, 2)
+    assert done == {"tensors": 18, "spill_files": 27, "rows_per_call": [7, 4, 1]}
+    assert not spill.exists()
+    # one site at a time: its three call files read, its two tensors written, then the next site
+    order = [f"L{i}.{s}" for i in range(3) for s in ("attn", "mlp", "resid")]
+    want = []
+    for key in order:
+        want += [("read", key)] * 3 + [("write", f"prefill/{key}"), ("write", f"decode/{key}")]
+    assert events == want
+    with safe_open(str(out), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(k for key in order for k in (f"prefill/{key}", f"decode/{key}"))
+        for key in order:
+            rows = torch.cat(ref[key])
+            assert torch.equal(f.get_tensor(f"prefill/{key}"), rows[:11])
+            assert torch.equal(f.get_tensor(f"decode/{key}"), rows[11:12])
+    lr.remove(toy)
+    assert getattr(toy, lr._ATTR) is None
+    # no hook at all (a plain run, sites=[]): an empty capture file, as before
+    lr.install(toy, sites=())
+    lr.begin(toy, str(tmp_path / "plain.spill"))
+    toy(x)
+    lr.end(toy)
+    assert lr.assemble(str(tmp_path / "plain.spill"), str(tmp_path / "plain.safetensors"), 12, 1)["tensors"] == 0
+    with safe_open(str(tmp_path / "plain.safetensors"), framework="pt") as f:
+        assert list(f.keys()) == []
