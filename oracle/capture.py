@@ -15,13 +15,18 @@ model is causal; the decode position is row n).
 (oracle/dsv41/model.py), block by block: ``L<i>.attn`` the attention output, ``L<i>.mlp`` the MoE output,
 ``L<i>.resid`` the hyper-connection streams leaving the block [n, hc * d]; ``precision`` ``fp32`` or
 ``reference-bf16``.
+
+Memory: with ``spill=DIR`` neither keeps a capture: each hook writes its site, as it fires, to
+``DIR/<key>.safetensors`` (tensor ``rows``, written to ``.tmp`` and renamed) and the call returns
+``SpillCaptures(DIR)``, a mapping that reads one site per access. Without it (tests, small benchmarks) the
+captures come back as an in-memory dict.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -62,12 +67,65 @@ def load_hf(model_dir: str | Path, precision: str = "fp32", threads: int = 1, ba
     return orc
 
 
+def spill_write(folder: str | Path, key: str, t: torch.Tensor) -> None:
+    """One site's capture to ``folder/<key>.safetensors``, atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / f"{key}.safetensors"
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"rows": t.contiguous()}, str(tmp))
+    tmp.replace(path)
+
+
+class SpillCaptures(Mapping):
+    """A spill folder (one ``<key>.safetensors`` per site) as a mapping key -> fp32 tensor, read from disk on each
+    access (memory: the one site asked for)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._keys = sorted(p.name[: -len(".safetensors")] for p in self.folder.glob("*.safetensors"))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if key not in self._keys:
+            raise KeyError(key)
+        with safe_open(str(self.folder / f"{key}.safetensors"), framework="pt") as f:
+            return f.get_tensor("rows")
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _Sink:
+    """Where a hook puts a capture: a dict (in memory) or a spill folder (written at once, nothing kept)."""
+
+    def __init__(self, spill: str | Path | None):
+        self.spill = None if spill is None else Path(spill)
+        self.acts: dict[str, torch.Tensor] = {}
+        if self.spill is not None:
+            self.spill.mkdir(parents=True, exist_ok=True)
+
+    def __setitem__(self, key: str, t: torch.Tensor) -> None:
+        if self.spill is None:
+            self.acts[key] = t
+        else:
+            spill_write(self.spill, key, t)
+
+    def result(self) -> Mapping[str, torch.Tensor]:
+        return self.acts if self.spill is None else SpillCaptures(self.spill)
+
+
 def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layers: Sequence[int] | None = None,
-                  threads: int = 1) -> dict[str, torch.Tensor]:
-    """One forward of a loaded transformers causal LM over ``ids`` with hooks on the sites -> {key: fp32 [n, d]}."""
+                  threads: int = 1, spill: str | Path | None = None) -> Mapping[str, torch.Tensor]:
+    """One forward of a loaded transformers causal LM over ``ids`` with hooks on the sites -> {key: fp32 [n, d]}
+    (``spill``: written there as the hooks fire, returned as SpillCaptures)."""
     mods = _decoder_layers(model)
     wanted = set(range(len(mods))) if layers is None else {int(i) % len(mods) for i in layers}
-    out: dict[str, torch.Tensor] = {}
+    out = _Sink(spill)
     handles = []
 
     def keep(key):
@@ -99,16 +157,18 @@ def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layer
     finally:
         for h in handles:
             h.remove()
-    return out
+    return out.result()
 
 
 def capture_hf(model_dir: str | Path, ids: Sequence[int], precision: str = "fp32", sites: Sequence[str] = SITES,
-               layers: Sequence[int] | None = None, threads: int = 1, oracle=None) -> tuple[dict, dict]:
-    """-> ({key: fp32 [n, d]}, info). ``oracle``: an already loaded ``load_hf`` result (its precision wins)."""
+               layers: Sequence[int] | None = None, threads: int = 1, oracle=None,
+               spill: str | Path | None = None) -> tuple[Mapping, dict]:
+    """-> ({key: fp32 [n, d]}, info). ``oracle``: an already loaded ``load_hf`` result (its precision wins);
+    ``spill``: a folder the captures go to as they are made (the mapping then reads them from there)."""
     t0 = time.perf_counter()
     orc = oracle if oracle is not None else load_hf(model_dir, precision, threads)
     t1 = time.perf_counter()
-    acts = capture_model(orc.model, ids, sites, layers, threads)
+    acts = capture_model(orc.model, ids, sites, layers, threads, spill=spill)
     info = {"oracle": "oracle.hf", "model_dir": str(Path(orc.model_dir).resolve()), "model_hash": orc.model_hash,
             "precision": precision, "dtype": str(next(orc.model.parameters()).dtype).replace("torch.", ""),
             "load_s": round(t1 - t0, 3), "forward_s": round(time.perf_counter() - t1, 3), "threads": threads}
@@ -133,8 +193,10 @@ class _Tap:
 
 
 def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp32",
-                  layers: Sequence[int] | None = None, threads: int = 1) -> tuple[dict, dict]:
-    """The DeepSeek oracle (in-memory model, small checkpoints) block by block -> ({key: fp32 [n, d']}, info)."""
+                  layers: Sequence[int] | None = None, threads: int = 1,
+                  spill: str | Path | None = None) -> tuple[Mapping, dict]:
+    """The DeepSeek oracle (in-memory model, small checkpoints) block by block -> ({key: fp32 [n, d']}, info);
+    ``spill`` as capture_hf's."""
     from oracle.dsv41.checkpoint import Checkpoint
     from oracle.dsv41.model import Model
     from oracle.dsv41.runner import engram_token_map, full_weights
@@ -151,7 +213,7 @@ def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp
                       with_vision=False)
         t1 = time.perf_counter()
         wanted = set(range(cfg.n_layers)) if layers is None else {int(i) % cfg.n_layers for i in layers}
-        out: dict[str, torch.Tensor] = {}
+        out = _Sink(spill)
         for L in sorted(wanted):
             block = model.blocks[L]
             block.attn = _Tap(block.attn, out, f"L{L}.attn", lambda y: y)
@@ -162,4 +224,4 @@ def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp
         torch.set_num_threads(prev)
     info = {"oracle": "oracle.dsv41", "model_dir": str(Path(ckpt_dir).resolve()), "precision": precision,
             "load_s": round(t1 - t0, 3), "forward_s": round(time.perf_counter() - t1, 3), "threads": threads}
-    return out, info
+    return out.result(), info

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,3 +41,37 @@ def test_the_sites_add_up_to_the_residual_stream_and_the_floor_is_the_same_model
     rel = (bf16["L3.resid"] - acts["L3.resid"]).norm() / acts["L3.resid"].norm()
     assert 1e-4 < rel < 0.1
     assert next(orc.model.parameters()).dtype == torch.float32   # the floors were copies
+
+
+def test_with_a_spill_folder_each_site_is_written_as_it_fires_and_read_back_one_at_a_time(smol, tmp_path,
+                                                                                          monkeypatch):
+    """Memory bound, oracle side: with ``spill`` no capture is kept (at most the one being written is alive),
+    one file per site, and the returned mapping reads one site per access, equal to the in-memory capture."""
+    import weakref
+
+    import oracle.capture as cap
+
+    ids = [1, 504, 3458, 314, 260, 1345, 30, 216]
+    orc = cap.load_hf(smol, "fp32")
+    mem, _ = cap.capture_hf(smol, ids, "fp32", layers=[0, 5, 29], oracle=orc)
+    live, peak = [], [0]
+    real_write = cap.spill_write
+
+    def spy_write(folder, key, t):
+        live.append(weakref.ref(t))
+        peak[0] = max(peak[0], sum(r() is not None for r in live))
+        real_write(folder, key, t)
+
+    monkeypatch.setattr(cap, "spill_write", spy_write)
+    lazy, _ = cap.capture_hf(smol, ids, "fp32", layers=[0, 5, 29], oracle=orc, spill=tmp_path / "o")
+    assert isinstance(lazy, cap.SpillCaptures) and len(live) == 9
+    assert peak[0] == 1, f"{peak[0]} captures alive at once in the hooks"
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == sorted(f"{k}.safetensors" for k in mem)
+    opened = []
+    real_open = __import__("safetensors").safe_open
+    monkeypatch.setattr("safetensors.safe_open", lambda path, **kw: (opened.append(Path(path).name),
+                                                                     real_open(path, **kw))[1])
+    assert set(lazy) == set(mem) and opened == []          # listing the keys reads nothing
+    for k in mem:
+        torch.testing.assert_close(lazy[k], mem[k], rtol=0, atol=0)
+    assert opened == [f"{k}.safetensors" for k in mem]     # one file per access, that site's
