@@ -16,6 +16,7 @@ with a decode step, DIR/localize-decode.png, and DIR/localize.md.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -104,11 +105,13 @@ class _Oracle:
         self.forward_s = 0.0
         self.load_s = 0.0
 
-    def capture(self, ids: Sequence[int], layers: Sequence[int] | None = None) -> dict:
+    def capture(self, ids: Sequence[int], layers: Sequence[int] | None = None,
+                spill: Path | None = None) -> Mapping:
+        """``spill``: the captures go to that folder as the hooks fire and come back as a lazy mapping."""
         from oracle.capture import capture_dsv41, capture_hf, load_hf
 
         if self.kind == "deepseek":
-            acts, info = capture_dsv41(self.model_dir, ids, self.precision, layers=layers)
+            acts, info = capture_dsv41(self.model_dir, ids, self.precision, layers=layers, spill=spill)
             self.load_s += info["load_s"]
         else:
             if self._loaded is None:
@@ -116,19 +119,35 @@ class _Oracle:
                 base = self.base._loaded if self.base is not None else None   # a copy of the fp32 load
                 self._loaded = load_hf(self.model_dir, self.precision, base=base)
                 self.load_s += time.perf_counter() - t
-            acts, info = capture_hf(self.model_dir, ids, self.precision, layers=layers, oracle=self._loaded)
+            acts, info = capture_hf(self.model_dir, ids, self.precision, layers=layers, oracle=self._loaded,
+                                    spill=spill)
         self.forward_s += info["forward_s"]
         self.info = info
         return acts
 
 
-def _phased(acts: Mapping[str, Any], n: int, decode: bool) -> dict:
-    out = {}
-    for k, v in acts.items():
-        out[f"prefill/{k}"] = v[:n]
-        if decode:
-            out[f"decode/{k}"] = v[n:n + 1]
-    return out
+class _Phased(Mapping):
+    """The oracle's ``L<i>.<site>`` rows of ``ids + [decode token]`` as ``prefill/…`` (rows :n) and ``decode/…``
+    (row n), fetched from the underlying mapping on each access: over a SpillCaptures, one site read at a time."""
+
+    def __init__(self, acts: Mapping[str, Any], n: int, decode: bool):
+        self.acts, self.n = acts, n
+        self._keys = {f"{ph}/{k}": (ph, k) for k in acts for ph in (("prefill", "decode") if decode else ("prefill",))}
+
+    def __getitem__(self, key: str):
+        phase, k = self._keys[key]
+        v = self.acts[k]
+        return v[:self.n] if phase == "prefill" else v[self.n:self.n + 1]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _phased(acts: Mapping[str, Any], n: int, decode: bool) -> Mapping:
+    return _Phased(acts, n, decode)
 
 
 def _to_numpy(t) -> Any:
@@ -143,8 +162,10 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                  floor: str | None = None, decode: bool = True, layers: Sequence[int] | None = None,
                  echo: Callable[[str], None] = _say) -> dict[str, LocalizeRecord]:
     """Every case through ONE engine process, the oracle and its floor once per distinct decode token; one
-    LocalizeRecord per case. ``layers``: capture only these decoder layers (memory: the engine holds the asked
-    layers' rows for the prompt; a first pass on a few layers, then the stretch between them, bisects)."""
+    LocalizeRecord per case. Memory: one site's captures at a time on every side: the engine's hooks and the
+    oracle's write each site to disk as it fires (``work/captures``, ``work/oracle``) and the comparison reads
+    the engine's, the oracle's and the floor's rows back one site at a time. ``layers``: capture only these
+    decoder layers (less time and disk; a first pass on a few layers, then the stretch between them, bisects)."""
     from core.version import code_version
     from engine.localize import LazyCaptures, engine_invocation, run_engine_captures
 
@@ -169,8 +190,11 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
         full = list(ids) + ([tok] if decode else [])
         if tok not in refs:
             t = time.perf_counter()
-            refs[tok] = (_phased(oracle.capture(full, layers), len(ids), decode),
-                         _phased(floor_orc.capture(full, layers), len(ids), decode))
+            spill = Path(work) / "oracle" / f"t{len(refs)}"
+            if spill.exists():
+                shutil.rmtree(spill)
+            refs[tok] = (_phased(oracle.capture(full, layers, spill / "oracle"), len(ids), decode),
+                         _phased(floor_orc.capture(full, layers, spill / "floor"), len(ids), decode))
             echo(f"oracle + floor captured in {time.perf_counter() - t:.1f} s")
         o_acts, f_acts = refs[tok]
         t = time.perf_counter()
@@ -182,7 +206,8 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                   "env": redact_data(dict(inv.profile_env)), "vllm": report.get("vllm"),
                   "perturb": rc.get("perturb"), "generated_ids": rc.get("generated_ids"),
                   "rows_per_call": rc.get("rows_per_call"), "model": report.get("model"),
-                  "ignored_args": report.get("ignored_args")}
+                  "ignored_args": report.get("ignored_args"), "spill_files": rc.get("spill_files"),
+                  "runner_max_rss_mb": rc.get("max_rss_mb")}
         timings = {"engine_process_s": round(report["wall_s"], 3), "engine_load_s": round(report["load_s"], 3),
                    "engine_generate_s": round(rc["generate_s"], 3),
                    "oracle_load_s": round(oracle.load_s, 3), "oracle_forward_s": round(oracle.forward_s, 3),
@@ -192,6 +217,7 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
             engine=engine, oracle=dict(oracle.info), floor=dict(floor_orc.info), factor=float(factor),
             prompt={**source, "n_tokens": len(ids), "token_ids": list(ids), "decode_token_id": tok},
             verdict=verdict, sites=tuple(sites), timings=timings, created=_now(), code_version=code_version())
+    shutil.rmtree(Path(work) / "oracle", ignore_errors=True)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -111,3 +112,44 @@ def test_the_record_round_trips_and_refuses_a_wrong_one(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(LocalizeError, match="malformed"):
         LocalizeRecord.load(tmp_path / "bad.json")
+
+
+class _Lazy(Mapping):
+    """Arrays made on access; counts how many of every _Lazy's arrays are alive at once (the comparison's
+    working set)."""
+
+    live: list = []
+    peak = 0
+
+    def __init__(self, acts: dict):
+        self._acts = acts   # kept as bytes: nothing of it is an array until asked for
+        self.reads = []
+
+    def __getitem__(self, key):
+        import weakref
+
+        self.reads.append(key)
+        a = np.frombuffer(self._acts[key][0], dtype=np.float64).reshape(self._acts[key][1]).copy()
+        _Lazy.live.append(weakref.ref(a))
+        _Lazy.peak = max(_Lazy.peak, sum(r() is not None for r in _Lazy.live))
+        return a
+
+    def __iter__(self):
+        return iter(self._acts)
+
+    def __len__(self):
+        return len(self._acts)
+
+
+def test_the_comparison_holds_one_site_of_the_engine_the_oracle_and_the_floor_at_a_time():
+    oracle = _oracle()
+    as_bytes = lambda acts: {k: (v.tobytes(), v.shape) for k, v in acts.items()}   # noqa: E731
+    eng, orc, flo = (_Lazy(as_bytes(a)) for a in (_noisy(oracle, 1e-7, 2), oracle, _noisy(oracle, 1e-7, 1)))
+    _Lazy.live, _Lazy.peak = [], 0
+    sites, _ = localize_sites(eng, orc, flo)
+    assert len(sites) == len(oracle) and _Lazy.peak <= 3, f"{_Lazy.peak} arrays alive at once"
+    # each site read once from each side, in forward order
+    assert eng.reads == orc.reads == flo.reads == sorted(oracle, key=lambda k: (k.startswith("decode"),
+                                                                                  int(k.split("L")[1].split(".")[0]),
+                                                                                  ("attn", "mlp", "resid").index(
+                                                                                      k.rsplit(".", 1)[1])))

@@ -34,15 +34,16 @@ def planted(tmp_path_factory):
     ids, source = prompt_ids(PROFILE, panel_item=ITEM, max_tokens=TOKENS)
     cases = planted_cases(n_decoder_layers(PROFILE))
     t0 = time.perf_counter()
-    recs = run_localize(PROFILE, ids, source, tmp_path_factory.mktemp("localize"),
+    work = tmp_path_factory.mktemp("localize")
+    recs = run_localize(PROFILE, ids, source, work,
                         cases=[{"name": "env", "perturb": "env"}] + cases, engine_env=ENV_FAULT)
-    return recs, cases, ids, time.perf_counter() - t0
+    return recs, cases, ids, time.perf_counter() - t0, work
 
 
 def test_every_planted_fault_is_named_exactly_and_the_clean_engine_names_none(planted):
     from ds41gates.localize import planted_table
 
-    recs, cases, _, wall = planted
+    recs, cases, _, wall, _ = planted
     assert [c["name"] for c in cases] == ["clean", "L0.attn", "L0.mlp", "L15.attn", "L15.mlp", "L29.attn", "L29.mlp"]
     table = planted_table(recs, cases)
     bad = [r for r in table if not r["exact"]]
@@ -59,7 +60,7 @@ def test_every_planted_fault_is_named_exactly_and_the_clean_engine_names_none(pl
 
 
 def test_the_record_carries_the_positions_growth_and_both_phases(planted):
-    recs, _, ids, _ = planted
+    recs, _, ids, _, _ = planted
     rec = recs["L15.mlp"]
     v = rec.verdict
     assert rec.floor["precision"] == "fp64" and rec.oracle["precision"] == "fp32"
@@ -108,3 +109,20 @@ def test_the_cli_writes_the_record_plot_and_summary(planted, tmp_path, monkeypat
     assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "0,15,29"]) == 0
     assert seen["layers"] == [0, 15, 29]
     assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "x"]) == 2
+
+
+def test_every_capture_went_through_the_spill_one_site_at_a_time_and_none_is_left(planted):
+    """Memory bound, on the real engine: the hooks wrote one file per layer x site x forward call (nothing kept in
+    the worker), the runner assembled them into one file per case and removed them, and the oracle's and the
+    floor's spill folders are gone after the comparison."""
+    from safetensors import safe_open
+
+    recs, cases, _, _, work = planted
+    for name, rec in recs.items():
+        calls = rec.engine["rows_per_call"]
+        assert sum(calls) == len(rec.prompt["token_ids"]) + 1
+        assert rec.engine["spill_files"] == 30 * 3 * len(calls), name
+        with safe_open(str(work / "captures" / f"{name}.safetensors"), framework="pt") as f:
+            assert len(list(f.keys())) == 2 * 30 * 3
+    assert sorted(p.name for p in (work / "captures").iterdir()) == sorted(f"{n}.safetensors" for n in recs)
+    assert not (work / "oracle").exists()
