@@ -380,6 +380,7 @@ def test_reference_bf16_tower_vs_fp32_on_the_tiny_checkpoint(tiny_vision):
     assert 1e-3 < r < 3e-2  # a few bf16 roundings (2^-9 relative each) through 2 blocks
 
 
+@pytest.mark.long  # 32 release-width blocks in both precisions (84 s of CI); the tiny tower's case stays in CI
 def test_reference_bf16_tower_vs_fp32_at_release_tower_sizes():
     """Width 1024, 16 heads, 32 blocks, random weights at trained scale, one 448 x 448 image (32 x 32 patches);
     blocks drawn one at a time so memory stays at one block."""
