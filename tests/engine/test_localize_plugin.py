@@ -4,7 +4,6 @@ torch only until vLLM loads it), and the profile -> runner invocation."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -146,7 +145,7 @@ def test_the_runners_hooks_keep_nothing_and_spill_one_file_per_layer_site_and_ca
     assert lr._ATTR in vars(toy) and not any(isinstance(v, torch.Tensor) for v in vars(toy)[lr._ATTR].values())
 
     events = []
-    real_read, real_remove = lr._read_spill, os.remove
+    real_read = lr._read_spill
 
     def spy_read(path):
         events.append(("read", Path(path).name.split(".c")[0]))
