@@ -1,4 +1,4 @@
-"""`ds41gate demo`: the main job on the embedded default (SmolLM2-135M + vLLM CPU), end to end."""
+"""`ds41gate demo`: the main job end to end, on the embedded default (SmolLM2-135M + vLLM CPU) or a profile's own model."""
 
 from __future__ import annotations
 
@@ -16,24 +16,31 @@ from engine.endpoint import DEFAULT_ENGINE_K, DEFAULT_PROFILE, endpoint_for_serv
 def demo_app(
     profile: list[str] = typer.Option([DEFAULT_PROFILE], "--profile", "-p",
                                       help="engine profile(s) to gate; repeat to compare several"),
-    panel: str = typer.Option(pipeline.DEFAULT_PANEL, help="panel name[@version]"),
+    panel: Optional[str] = typer.Option(None, help="panel name[@version] (default: the profile's own, as the gate "
+                                                   "suite uses it: 'default' for SmolLM2, 'dsv4-ci' for DeepSeek-V4)"),
     out: Optional[Path] = typer.Option(None, help="results folder (default results/<timestamp>); must be new or "
                                                    "empty: a results folder holds one run"),
     replace_results: bool = typer.Option(False, "--replace-results",
                                          help="clear an earlier run's results folder given as --out first"),
     k: int = typer.Option(DEFAULT_ENGINE_K, help="engine top-k per position"),
 ) -> None:
-    """Oracle reference, engine run, KL panel gate and report on the embedded default model."""
+    """Oracle reference, engine run, KL panel gate and report: the profile's own model, panel, encoding and oracle,
+    resolved as the gate suite resolves them (the embedded default for the SmolLM2 profiles)."""
     from rich.console import Console
     from rich.table import Table
 
+    from core.errors import UserError
     from engine.launcher import EngineServer, load_profile
 
+    served = {name: pipeline.served_model(name) for name in profile}
+    if len(set(served.values())) > 1:
+        models = ", ".join(f"{n}: {m.model if m else 'SmolLM2'}" for n, m in served.items())
+        raise UserError(f"--profile {' '.join(profile)}: these serve different models ({models}); one demo run "
+                        "gates one model against one reference: run the demo once per model")
     console = Console()
     out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
-    model_dir = pipeline.default_model_dir()
-    encoded = pipeline.encode_default_panel(panel, model_dir)
-    ref, ref_path = pipeline.ensure_reference(encoded, model_dir)
+    encoded, model_dir, oracle = pipeline.encode_profile_panel(profile[0], panel)
+    ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
 
     engines, gates = [], []
     for name in profile:
