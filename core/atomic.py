@@ -70,6 +70,17 @@ def _sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def make_folder(folder: Path, error: type[Exception], what: str) -> None:
+    """Create `folder` with its parents; a path that is a file, or runs through one, is `error` naming `what`.
+    Any other OSError (a full disk, no permission) is left to the caller."""
+    if folder.exists() and not folder.is_dir():
+        raise error(f"{what}: exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise error(f"{what}: a part of the path is a file, not a folder") from None
+
+
 def write_file_set(folder: str | os.PathLike, files: dict[str, bytes], manifest: str) -> Path:
     """Write several files that are only meaningful together (report.json / .md / .html) as one unit.
 
@@ -84,12 +95,10 @@ def write_file_set(folder: str | os.PathLike, files: dict[str, bytes], manifest:
     from core.errors import OutputWriteError
 
     target = Path(folder)
-    if target.exists() and not target.is_dir():
-        raise OutputWriteError(f"{target}: exists and is not a folder")
     try:
-        target.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise OutputWriteError(f"{target}: a part of the path is a file, not a folder") from None
+        make_folder(target, OutputWriteError, str(target))
+    except OutputWriteError:
+        raise
     except OSError as exc:
         raise OutputWriteError(f"{target}: cannot create the folder ({exc.strerror or exc})") from None
     staged: list[tuple[Path, Path]] = []

@@ -10,6 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
+from core.atomic import make_folder
 from core.errors import ResultsDirError, UnsafeNameError
 
 
@@ -66,12 +67,7 @@ def claim_results_dir(path: str | os.PathLike, *, replace: bool = False, option:
     are removed first, so no file of the earlier run (a PASS report beside this run's ERROR) survives. The run
     marker is created exclusively, so two runs started on one folder cannot both claim it."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise ResultsDirError(f"{option} {folder}: exists and is not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ResultsDirError(f"{option} {folder}: a part of the path is a file, not a folder") from None
+    make_folder(folder, ResultsDirError, f"{option} {folder}")
     entries = os.listdir(folder)
     if entries:
         if not replace:
