@@ -52,6 +52,16 @@ class Canned:
         return b.encode() if isinstance(b, str) else b
 
 
+def serve_in_thread(handler: type) -> tuple[ThreadingHTTPServer, threading.Thread, str]:
+    """A ThreadingHTTPServer for `handler` on a free 127.0.0.1 port, served from a daemon thread: (server,
+    thread, base URL). The caller shuts it down."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    return server, thread, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class CannedServer:
     """ThreadingHTTPServer on 127.0.0.1; ``routes[path](Seen) -> Canned``; unknown paths answer 404."""
 
@@ -94,11 +104,7 @@ class CannedServer:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.thread, self.url = serve_in_thread(H)
 
     def requests_to(self, path: str) -> list[Seen]:
         with self._lock:

@@ -20,7 +20,7 @@ import threading
 import time
 import tracemalloc
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 import pytest
@@ -31,6 +31,7 @@ from engine.errors import (
 )
 from panels import EncodedPanel, EncodedSequence
 from tests.engine.test_client_malformed import MODEL, VOCAB, vllm_prompt_response
+from tests.reliability.helpers import serve_in_thread
 
 IDS = [5, 17, 3, 29, 11, 8]
 MiB = 1 << 20
@@ -67,12 +68,8 @@ class RawServer:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
+        self.server, self.thread, self.url = serve_in_thread(H)
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
         self.stop.set()
