@@ -9,8 +9,12 @@ import typer
 
 from core.verdicts import judge
 from ds41gates import pipeline
-from gates import BANDS_FILE
-from engine.endpoint import DEFAULT_ENGINE_K, DEFAULT_PROFILE, endpoint_for_server, score_engine
+from engine.endpoint import (
+    DEFAULT_ENGINE_K,
+    DEFAULT_PROFILE,
+    endpoint_for_server,
+    score_engine,
+)
 
 
 def demo_app(
@@ -30,25 +34,30 @@ def demo_app(
     from rich.table import Table
 
     from core.errors import UserError
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
+    from engine.target import check_gate_target, gate_files, resolve_gate_target
 
-    served = {name: pipeline.served_model(name) for name in profile}
-    if len(set(served.values())) > 1:
-        models = ", ".join(f"{n}: {m.model if m else 'SmolLM2'}" for n, m in served.items())
-        raise UserError(f"--profile {' '.join(profile)}: these serve different models ({models}); one demo run "
-                        "gates one model against one reference: run the demo once per model")
+    profiles = [load_profile(name) for name in profile]
+    targets = {prof.name: check_gate_target(prof) for prof in profiles}   # names and files only: no work yet
+    # one reference for every engine: the same model, panel, encoding, oracle and precision (bands and gate
+    # sizes may differ per profile)
+    if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision) for t in targets.values()}) > 1:
+        what = ", ".join(f"{n}: {t.model} on {t.panel} ({t.oracle})" for n, t in targets.items())
+        raise UserError(f"--profile {' '.join(profile)}: these are gated on different targets ({what}); one demo "
+                        "run gates one model against one reference: run the demo once per target")
     console = Console()
     out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
-    encoded, model_dir, oracle = pipeline.encode_profile_panel(profile[0], panel)
-    ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
+    target = resolve_gate_target(profiles[0], panel)
+    encoded, model_dir = target.encoded, target.model_dir
+    ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle, precision=target.precision)
 
     engines, gates = [], []
-    for name in profile:
-        prof = load_profile(name)
+    for prof in profiles:
         with EngineServer(prof) as server:
             eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
-        _, gate = judge(ref, eng, prof.name, prof.name, BANDS_FILE)
+        _, gate = judge(ref, eng, prof.name, prof.name, gate_files(prof)[0])
         engines.append((prof.name, eng))
         gates.append(gate)
 

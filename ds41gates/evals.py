@@ -60,7 +60,7 @@ def eval_app(
     server = None
     if engine_profile and not engine_url and score_only:    # nothing to send: name the profile, start nothing
         from engine.endpoint import precision_of
-        from engine.launcher import load_profile
+        from engine.profiles import load_profile
 
         prof = load_profile(engine_profile)
         endpoint = EngineEndpoint("(not contacted: --score-only)", prof.served_model, prof.name, engine=prof.engine,
@@ -78,7 +78,7 @@ def eval_app(
             raise UserError(f"--engine-url {engine_url}: serves no model")
         if engine_profile:      # the server at the URL runs this profile: its name, kind and precision
             from engine.endpoint import precision_of
-            from engine.launcher import load_profile
+            from engine.profiles import load_profile
 
             prof = load_profile(engine_profile)
             endpoint = EngineEndpoint(root, models[0], prof.name, engine=prof.engine or engine,

@@ -39,15 +39,11 @@ def _say(msg: str) -> None:
 # ------------------------------------------------------------------------------------------ what to compare
 
 def oracle_for(profile: str) -> tuple[str, Path, str]:
-    """(oracle kind, the folder it loads, the tokenizer spec) of a profile's model."""
-    from ds41gates.pipeline import profile_model_dir, served_model
-    from engine.models import default_model_dir
+    """(oracle kind, the folder it loads, the tokenizer spec) of a profile's model: its [gate] target."""
+    from engine.target import resolve_gate_target
 
-    sm = served_model(profile)
-    if sm is None:
-        d = default_model_dir()
-        return "transformers", d, str(d)
-    return sm.oracle, profile_model_dir(profile), sm.tokenizer
+    t = resolve_gate_target(profile, encode=False)
+    return t.oracle, t.model_dir, t.tokenizer
 
 
 def floor_precision(kind: str, engine_dtype: str) -> str:
@@ -70,9 +66,9 @@ def prompt_ids(profile: str, prompt: str | None = None, panel_item: str | None =
         ids = list(load_tokenizer(tok_spec).tokenizer.encode(prompt, add_special_tokens=False).ids)
         source = {"kind": "prompt", "text": prompt[:400]}
     else:
-        from ds41gates.pipeline import encode_profile_panel
+        from engine.target import resolve_gate_target
 
-        encoded, _, _ = encode_profile_panel(profile, panel)
+        encoded = resolve_gate_target(profile, panel).encoded
         seq = next((s for s in encoded.sequences if s.seq_id == panel_item), None)
         if seq is None:
             raise UserError(f"localize: panel {encoded.panel_name}@{encoded.panel_version} has no item "

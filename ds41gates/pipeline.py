@@ -7,7 +7,6 @@ suite run the same code path. IO (servers, files) stays here; metrics and verdic
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -15,67 +14,36 @@ from core.paths import cache_dir, claim_results_dir, fresh_results_dir, safe_nam
 from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
 from engine.models import default_model_dir
+from engine.profiles import ORACLE_PRECISIONS
 
 DEFAULT_PANEL = "default"
 ORACLE_TOP_K = 256
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """What a profile that does not serve the embedded SmolLM2 serves, and what it is gated on: the model
-    folder (built on demand), the panel and the tokenizer spec its panel is encoded with, and the oracle that
-    writes its fp32 reference."""
+def encode_profile_panel(profile: str | None, panel: str | None = None):
+    """The panel a profile is gated on, encoded as its model reads it -> (EncodedPanel, model folder, oracle):
+    the profile's [gate] target resolved once (engine.target.resolve_gate_target)."""
+    from engine.target import resolve_gate_target
 
-    model: str        # key of MODEL_BUILDERS
-    panel: str
-    tokenizer: str    # panels.load_tokenizer spec
-    oracle: str       # "deepseek": oracle/dsv41 (its V4 mode, fp32); "transformers": oracle/hf.py
+    t = resolve_gate_target(profile, panel)
+    return t.encoded, t.model_dir, t.oracle
 
 
-# The tiny DeepSeek-V4 checkpoint on vLLM CPU's DeepSeek-V4 path: the dsv4-ci panel in the DeepSeek chat
-# encoding, referenced by the DeepSeek oracle's V4 mode in fp32 (transformers' DeepseekV4 is the second
-# opinion beside it in the report, docs/ORACLE.md).
-SERVED_MODELS: dict[str, ServedModel] = {
-    "vllm-cpu-dsv4": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
-    # exllamav3 on a CUDA GPU (docs/EXLLAMAV3.md): the same model, panel and tokenizer; an EXL3 profile's KL
-    # reference decodes its own EXL3 folder (oracle/dsv41/exllamav3_pack.py) and is passed as --reference
-    "exllamav3-dsv4-bf16": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
-    "exllamav3-dsv4-exl3": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek", oracle="deepseek"),
-    "exllamav3-dsv4-exl3-b2": ServedModel(model="dsv4-tiny", panel="dsv4-ci", tokenizer="deepseek",
-                                          oracle="deepseek"),
-}
+def served_model(profile: str | None):
+    """Compatibility for ds41gates/pytest_plugin.py until it reads engine.target itself (issue 30): the
+    profile's GateTarget, or None when it gates the embedded default. New code: engine.target.gate_target."""
+    from engine.profiles import DEFAULT_GATE_TARGET
+    from engine.target import gate_target
 
-
-def _dsv4_tiny() -> Path:
-    from engine.dsv4_model import ensure_dsv4_tiny
-
-    return Path(ensure_dsv4_tiny())
-
-
-MODEL_BUILDERS = {"dsv4-tiny": _dsv4_tiny}
-
-
-def served_model(profile: str | None) -> ServedModel | None:
-    """The profile's own model, or None for the profiles that serve the embedded default (SmolLM2)."""
-    return SERVED_MODELS.get(profile or "")
+    target = gate_target(profile)
+    return None if target == DEFAULT_GATE_TARGET else target
 
 
 def profile_model_dir(profile: str | None) -> Path:
-    """The model folder the profile serves (the embedded default unless SERVED_MODELS names another)."""
-    sm = served_model(profile)
-    return MODEL_BUILDERS[sm.model]() if sm is not None else default_model_dir()
+    """Compatibility for ds41gates/pytest_plugin.py (see served_model): the folder the profile's oracle loads."""
+    from engine.target import resolve_gate_target
 
-
-def encode_profile_panel(profile: str | None, panel: str | None = None):
-    """The panel a profile is gated on, encoded as its model reads it -> (EncodedPanel, model folder, oracle)."""
-    from panels import encode_panel, load_panel, load_tokenizer
-
-    sm = served_model(profile)
-    if sm is None:
-        model_dir = default_model_dir()
-        return encode_default_panel(panel or DEFAULT_PANEL, model_dir), model_dir, "transformers"
-    return (encode_panel(load_panel(panel or sm.panel), load_tokenizer(sm.tokenizer)), profile_model_dir(profile),
-            sm.oracle)
+    return resolve_gate_target(profile, encode=False).model_dir
 
 
 def _echo(msg: str) -> None:
@@ -94,26 +62,45 @@ def encode_default_panel(panel: str = DEFAULT_PANEL, model_dir: Path | None = No
     return encode_panel(load_panel(panel), load_tokenizer(model_dir))
 
 
-def reference_path(encoded, model_hash: str, top_k: int = ORACLE_TOP_K) -> Path:
+def reference_path(encoded, identity: str, top_k: int = ORACLE_TOP_K, *, oracle: str = "transformers",
+                   precision: str = "fp32") -> Path:
+    """The cache file of the reference `oracle` writes over `encoded`, named by the oracle and its own identity
+    of what it loads (transformers: the weight files' hash; deepseek: the checkpoint build's identity, as its
+    provenance's checkpoint_hash) and the precision it computes in."""
     safe_name(f"{encoded.panel_name}@{encoded.panel_version}", "panel name")   # part of a cache file name
+    safe_name(f"{oracle}-{precision}", "oracle name")
     ph = encoded.panel_hash.split(":")[-1][:12]
     th = encoded.tokenizer_hash.split(":")[-1][:12]
-    mh = model_hash.split(":")[-1][:12]
-    name = f"{encoded.panel_name}@{encoded.panel_version}-{ph}-tok{th}-model{mh}-k{top_k}.safetensors"
+    ih = identity.split(":")[-1][:12]
+    name = f"{encoded.panel_name}@{encoded.panel_version}-{ph}-tok{th}-{oracle}-{ih}-{precision}-k{top_k}.safetensors"
     return cache_dir() / "references" / name
 
 
-def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
-                     oracle: str = "transformers") -> tuple[Record, Path]:
-    """Load the cached fp32 reference for (panel, tokenizer, model), or build it (resumably) and cache it.
-    `oracle`: "transformers" (oracle/hf.py) or "deepseek" (the layer-streamed DeepSeek oracle, oracle/dsv41)."""
-    from oracle.hf import model_hash, score_panel_hf
-
-    if oracle not in ("transformers", "deepseek"):
-        raise ValueError(f"oracle {oracle!r}: expected 'transformers' or 'deepseek'")
-    path = reference_path(encoded, model_hash(model_dir), top_k)
+def _oracle_identity(oracle: str, model_dir: Path):
+    """(identity of what the oracle loads, the loaded handle its run reuses)."""
     if oracle == "deepseek":
-        path = path.with_name(path.stem + "-deepseek.safetensors")
+        from oracle.dsv41.checkpoint import Checkpoint
+        from oracle.dsv41.runner import checkpoint_identity
+
+        ck = Checkpoint(model_dir)
+        return checkpoint_identity(ck), ck
+    import oracle.hf
+
+    return oracle.hf.model_hash(model_dir), None
+
+
+def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
+                     oracle: str = "transformers", precision: str = "fp32") -> tuple[Record, Path]:
+    """Load the cached reference `oracle` wrote for (panel, tokenizer, what it loads, precision), or build it
+    (resumably) and cache it. `oracle`: "transformers" (oracle/hf.py) or "deepseek" (the layer-streamed
+    DeepSeek oracle, oracle/dsv41); `precision` one of engine.profiles.ORACLE_PRECISIONS[oracle]."""
+    if oracle not in ORACLE_PRECISIONS:
+        raise ValueError(f"oracle {oracle!r}: expected 'transformers' or 'deepseek'")
+    if precision not in ORACLE_PRECISIONS[oracle]:
+        raise ValueError(f"precision {precision!r}: the {oracle} oracle's reference is built in "
+                         f"{ORACLE_PRECISIONS[oracle]}")
+    identity, checkpoint = _oracle_identity(oracle, Path(model_dir))
+    path = reference_path(encoded, identity, top_k, oracle=oracle, precision=precision)
     if path.exists():
         try:
             ref = Record.load(path)
@@ -124,23 +111,24 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
             _echo(f"oracle reference (cached): {path}")
             return ref, path
         raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
-    _echo(f"building the fp32 oracle reference for {encoded.panel_name}@{encoded.panel_version} "
+    _echo(f"building the {precision} {oracle} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
           f"({len(encoded.sequences)} sequences) …")
     partial = path.with_suffix(".partial.d")  # per-sequence checkpoints: a killed run resumes here
     # one thread: on a shared 2-core box two threads were 14x slower than one (docs/RELIABILITY.md)
     if oracle == "deepseek":
-        from oracle.dsv41.checkpoint import Checkpoint
         from oracle.dsv41.runner import RunOptions, run_panel
 
-        ref = run_panel(Checkpoint(model_dir), encoded, partial,
-                        RunOptions(precision="fp32", threads=1, top_k=top_k, progress=False))
-        import shutil
-
-        ref.save(path)
-        shutil.rmtree(partial, ignore_errors=True)  # layer activations: only for resuming an interrupted run
+        ref = run_panel(checkpoint, encoded, partial,
+                        RunOptions(precision=precision, threads=1, top_k=top_k, progress=False))
     else:
+        from oracle.hf import score_panel_hf
+
         ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False, threads=1)
     ref.save(path)
+    if oracle == "deepseek":
+        import shutil
+
+        shutil.rmtree(partial, ignore_errors=True)  # layer activations: only for resuming an interrupted run
     _echo(f"oracle reference written: {path}")
     return ref, path
 

@@ -169,7 +169,8 @@ def endpoint_for_server(server, profile, model_dir: str | os.PathLike, flags=())
 def launch_endpoint(profile_name: str, model_dir: str | os.PathLike, flags=(), overrides=None, echo=None):
     """Start a server from a profile; returns (server, endpoint). The caller stops the server.
     `echo(line)` receives the launcher's progress (default: stderr)."""
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     prof = load_profile(profile_name)
     server = EngineServer(prof, overrides=overrides, flags=flags, echo=echo).start()

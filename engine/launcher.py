@@ -148,6 +148,11 @@ def default_providers() -> dict[str, Callable[[], str]]:
     }
 
 
+# The providers that name a model folder an oracle can load: what a profile's [gate] model may name
+# (engine/target.py), so the folder that is served and the one that is referenced come from one registry.
+MODEL_PROVIDERS = ("model_hf_dir", "dsv4_tiny_dir", "dsv4_tiny_bf16_dir", "vlm_hf_dir")
+
+
 class _Resolver:
     def __init__(self, profile: Profile, providers: Mapping[str, Callable[[], str]], fixed: Mapping[str, str]):
         self.profile = profile

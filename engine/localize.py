@@ -42,7 +42,8 @@ class EngineInvocation:
 def engine_invocation(profile: str, flags: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
                       base_env: Mapping[str, str] | None = None) -> EngineInvocation:
     """Resolve ``profile`` (engine/profiles/<name>.toml) as the launcher would, minus the HTTP front end."""
-    from engine.launcher import load_profile, resolve
+    from engine.launcher import resolve
+    from engine.profiles import load_profile
 
     prof = load_profile(profile)
     if prof.engine != "vllm":

@@ -79,9 +79,11 @@ def load_gate_config(override: str | os.PathLike | None = None) -> dict[str, dic
 
 
 def profile_config(profile: str | None) -> Path | None:
-    """gates/config-<profile>.toml: a profile's own CI sizes (the slow DeepSeek-V4 CPU engine's), if it has one."""
-    path = CONFIG.with_name(f"config-{profile}.toml") if profile else None
-    return path if path is not None and path.is_file() else None
+    """A profile's own CI sizes (the slow DeepSeek-V4 CPU engine's): the `sizes` file its [gate] table declares
+    (engine/profiles/<profile>.toml), if it declares one."""
+    from engine.target import gate_sizes
+
+    return gate_sizes(profile) if profile else None
 
 
 @pytest.fixture(scope="session")

@@ -229,14 +229,15 @@ def load_config(path: str | os.PathLike) -> NightlyConfig:
 def check_cells(cfg: NightlyConfig) -> None:
     """Every cell's profile loads and every flag is registered, checked before any cell starts an engine: a typo
     is a configuration error, not a night of "new-failure" rows in the history."""
-    from engine.launcher import ProfileError, load_profile
+    from engine.profiles import ProfileError, load_profile
+    from engine.target import check_gate_target
     from nightly.flags import FlagRegistryError, load_registry
 
     extra = [r if Path(r).is_absolute() else REPO_ROOT / r for r in cfg.registry]
     for cell in cfg.cells:
         where = f"{cfg.path}: cell {cell.name!r}"
         try:
-            load_profile(cell.profile)
+            check_gate_target(load_profile(cell.profile))   # the profile and what its gates compare against
         except ProfileError as exc:
             raise NightlyConfigError(f"{where}: {exc}") from None
         if not cell.flags:

@@ -17,21 +17,24 @@ class _Stop(Exception):
 def test_demo_on_the_deepseek_profile_references_deepseek_with_its_panel(tmp_path, monkeypatch):
     seen = {}
 
-    def reference(encoded, model_dir, top_k=pipeline.ORACLE_TOP_K, oracle="transformers"):
-        seen.update(panel=encoded.panel_name, oracle=oracle, model_dir=model_dir)
+    def reference(encoded, model_dir, top_k=pipeline.ORACLE_TOP_K, oracle="transformers", precision="fp32"):
+        seen.update(panel=encoded.panel_name, oracle=oracle, model_dir=model_dir, precision=precision)
         raise _Stop   # what follows (the engine server) is the real gate session's, tested with the server
 
     monkeypatch.setattr(pipeline, "ensure_reference", reference)
     result = CliRunner().invoke(app, ["demo", "-p", "vllm-cpu-dsv4", "--out", str(tmp_path / "out")])
     assert isinstance(result.exception, _Stop), result.output
     plugin_encoded, plugin_dir, plugin_oracle = pipeline.encode_profile_panel("vllm-cpu-dsv4")
-    assert seen == {"panel": plugin_encoded.panel_name, "oracle": plugin_oracle, "model_dir": plugin_dir}
+    assert seen == {"panel": plugin_encoded.panel_name, "oracle": plugin_oracle, "model_dir": plugin_dir,
+                    "precision": "fp32"}
     assert seen["panel"] == "dsv4-ci" and seen["oracle"] == "deepseek"
 
 
 def test_demo_refuses_profiles_that_serve_different_models_before_any_work(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "encode_profile_panel", lambda *a, **k: pytest.fail("work started"))
+    import engine.target
+
+    monkeypatch.setattr(engine.target, "resolve_gate_target", lambda *a, **k: pytest.fail("work started"))
     result = CliRunner().invoke(app, ["demo", "-p", "vllm-cpu-fp32", "-p", "vllm-cpu-dsv4",
                                       "--out", str(tmp_path / "out")])
-    assert result.exit_code != 0 and "serve different models" in str(result.exception)
+    assert result.exit_code != 0 and "gated on different targets" in str(result.exception)
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,125 @@
+"""What a profile is gated on, resolved once: its ``[gate]`` table (engine.profiles.GateTarget) made concrete.
+
+The demo, the gate suite's plugin (through ds41gates.pipeline.encode_profile_panel), the nightly and the
+localizer all ask here, so one profile is gated on one model, panel, encoding, oracle, bands and sizes
+wherever it runs::
+
+    t = resolve_gate_target("vllm-cpu-dsv4")
+    t.model_dir, t.encoded, t.oracle, t.precision, t.bands, t.sizes
+
+No profile (``None``) is the embedded default: SmolLM2 on the `default` panel, its own tokenizer, the
+transformers oracle. Paths in the table are relative to the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.profiles import (
+    DEFAULT_GATE_TARGET,
+    OWN_TOKENIZER,
+    REPO_ROOT,
+    GateTarget,
+    Profile,
+    ProfileError,
+)
+
+if TYPE_CHECKING:
+    from panels import EncodedPanel
+
+ProfileRef = str | os.PathLike[str] | Profile | None
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A profile's gate target with its model folder built and its panel encoded as that model reads it."""
+
+    profile: str                 # the profile's name; "" for the embedded default (no profile)
+    target: GateTarget           # as declared
+    model_dir: Path              # the folder the oracle loads (built on demand by the model provider)
+    tokenizer: str               # the panels.load_tokenizer spec the panel is encoded with
+    bands: Path                  # the KL bands file (core.verdicts.judge)
+    sizes: Path | None           # gate sizes over gates/config.toml; None: the CI sizes alone
+    encoded: EncodedPanel | None  # None when resolved with encode=False
+
+    @property
+    def oracle(self) -> str:
+        return self.target.oracle
+
+    @property
+    def precision(self) -> str:
+        return self.target.precision
+
+
+def _profile(profile: ProfileRef) -> Profile | None:
+    if profile is None or isinstance(profile, Profile):
+        return profile
+    from engine.profiles import load_profile
+
+    return load_profile(profile)
+
+
+def gate_target(profile: ProfileRef) -> GateTarget:
+    """The profile's declared target (the embedded default for no profile or a profile without [gate])."""
+    prof = _profile(profile)
+    return prof.gate if prof is not None else DEFAULT_GATE_TARGET
+
+
+def _where(prof: Profile | None) -> str:
+    return str(prof.source) if prof is not None and prof.source else "the embedded default gate target"
+
+
+def _repo_file(value: str, key: str, where: str) -> Path:
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else REPO_ROOT / path
+    if not path.is_file():
+        raise ProfileError(f"{where} [gate]: {key} = {value!r}: no such file ({path})")
+    return path
+
+
+def gate_files(profile: ProfileRef) -> tuple[Path, Path | None]:
+    """(bands, sizes) of the profile's target, checked to exist; builds nothing."""
+    prof = _profile(profile)
+    target, where = gate_target(prof), _where(prof)
+    sizes = _repo_file(target.sizes, "sizes", where) if target.sizes else None
+    return _repo_file(target.bands, "bands", where), sizes
+
+
+def gate_sizes(profile: ProfileRef) -> Path | None:
+    """The gate sizes file the profile declares over gates/config.toml (None: the CI sizes alone)."""
+    return gate_files(profile)[1]
+
+
+def check_gate_target(profile: ProfileRef) -> GateTarget:
+    """Every name in the target is known and every file exists, without building a model or encoding a panel."""
+    from engine.launcher import MODEL_PROVIDERS
+
+    prof = _profile(profile)
+    target = gate_target(prof)
+    if target.model not in MODEL_PROVIDERS:
+        raise ProfileError(f"{_where(prof)} [gate]: model {target.model!r} is not a model provider; "
+                           f"known: {list(MODEL_PROVIDERS)} (engine.launcher.MODEL_PROVIDERS)")
+    gate_files(prof)
+    return target
+
+
+def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode: bool = True) -> ResolvedTarget:
+    """The profile's target made concrete: the model folder built (cached after the first time), the panel —
+    `panel` when given, else the target's — encoded with the target's tokenizer and chat encoding."""
+    from engine.launcher import default_providers
+
+    prof = _profile(profile)
+    target = check_gate_target(prof)
+    bands, sizes = gate_files(prof)
+    model_dir = Path(default_providers()[target.model]())
+    tokenizer = str(model_dir) if target.tokenizer == OWN_TOKENIZER else target.tokenizer
+    encoded = None
+    if encode:
+        from panels import encode_panel, load_panel, load_tokenizer
+
+        encoded = encode_panel(load_panel(panel or target.panel), load_tokenizer(tokenizer))
+    return ResolvedTarget(profile=prof.name if prof is not None else "", target=target, model_dir=model_dir,
+                          tokenizer=tokenizer, bands=bands, sizes=sizes, encoded=encoded)
