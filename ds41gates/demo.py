@@ -33,19 +33,10 @@ def demo_app(
     from rich.console import Console
     from rich.table import Table
 
-    from core.errors import UserError
     from engine.launcher import EngineServer
-    from engine.profiles import load_profile
-    from engine.target import check_gate_target, gate_files, resolve_gate_target
+    from engine.target import gate_files, one_gate_target, resolve_gate_target
 
-    profiles = [load_profile(name) for name in profile]
-    targets = {prof.name: check_gate_target(prof) for prof in profiles}   # names and files only: no work yet
-    # one reference for every engine: the same model, panel, encoding, oracle and precision (bands and gate
-    # sizes may differ per profile)
-    if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision) for t in targets.values()}) > 1:
-        what = ", ".join(f"{n}: {t.model} on {t.panel} ({t.oracle})" for n, t in targets.items())
-        raise UserError(f"--profile {' '.join(profile)}: these are gated on different targets ({what}); one demo "
-                        "run gates one model against one reference: run the demo once per target")
+    profiles, _ = one_gate_target(profile)   # one reference for every engine; names and files only: no work yet
     console = Console()
     out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
     target = resolve_gate_target(profiles[0], panel)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from engine.profiles import (
     GateTarget,
     Profile,
     ProfileError,
+    load_profile,
 )
 
 if TYPE_CHECKING:
@@ -57,8 +59,6 @@ class ResolvedTarget:
 def _profile(profile: ProfileRef) -> Profile | None:
     if profile is None or isinstance(profile, Profile):
         return profile
-    from engine.profiles import load_profile
-
     return load_profile(profile)
 
 
@@ -123,3 +123,21 @@ def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode
         encoded = encode_panel(load_panel(panel or target.panel), load_tokenizer(tokenizer))
     return ResolvedTarget(profile=prof.name if prof is not None else "", target=target, model_dir=model_dir,
                           tokenizer=tokenizer, bands=bands, sizes=sizes, encoded=encoded)
+
+
+def one_gate_target(profiles: Sequence[str | os.PathLike[str] | Profile]) -> tuple[list[Profile], GateTarget]:
+    """Load `profiles` and check they can share one reference: the same model, panel, encoding, oracle and
+    precision (bands and gate sizes may differ per profile). Names and files only: nothing is built."""
+    if not profiles:
+        raise ProfileError("no engine profile given")
+    loaded: list[Profile] = []
+    targets: dict[str, GateTarget] = {}
+    for ref in profiles:
+        prof = ref if isinstance(ref, Profile) else load_profile(ref)
+        targets[prof.name] = check_gate_target(prof)
+        loaded.append(prof)
+    if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision) for t in targets.values()}) > 1:
+        what = ", ".join(f"{n}: {t.model} on {t.panel} ({t.oracle})" for n, t in targets.items())
+        raise ProfileError(f"profiles {list(targets)} are gated on different targets ({what}); one run gates one "
+                           "model against one reference: run once per target")
+    return loaded, targets[loaded[0].name]
