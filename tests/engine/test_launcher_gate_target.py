@@ -116,3 +116,9 @@ def test_the_default_target_encodes_the_default_panel_with_the_model_folders_own
     assert t.encoded == pipeline.encode_default_panel("default", t.model_dir)   # what the demo used to encode
     light = resolve_gate_target("vllm-cpu-fp32", encode=False)
     assert light.encoded is None and light.model_dir == t.model_dir
+
+
+def test_the_gate_models_are_launch_providers_one_registry():
+    from engine.launcher import MODEL_PROVIDERS, default_providers
+
+    assert set(MODEL_PROVIDERS) <= set(default_providers())
