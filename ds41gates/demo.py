@@ -34,7 +34,7 @@ def demo_app(
     from rich.table import Table
 
     from engine.launcher import EngineServer
-    from engine.target import gate_files, one_gate_target, resolve_gate_target
+    from engine.target import one_gate_target, resolve_gate_target
 
     profiles, _ = one_gate_target(profile)   # one reference for every engine; names and files only: no work yet
     console = Console()
@@ -48,7 +48,7 @@ def demo_app(
         with EngineServer(prof) as server:
             eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
         eng.save(out_dir / f"engine-{prof.name}.safetensors")
-        _, gate = judge(ref, eng, prof.name, prof.name, gate_files(prof)[0])
+        _, gate = judge(ref, eng, prof.name, prof.name, target.bands)
         engines.append((prof.name, eng))
         gates.append(gate)
 

@@ -126,8 +126,8 @@ def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode
 
 
 def one_gate_target(profiles: Sequence[str | os.PathLike[str] | Profile]) -> tuple[list[Profile], GateTarget]:
-    """Load `profiles` and check they can share one reference: the same model, panel, encoding, oracle and
-    precision (bands and gate sizes may differ per profile). Names and files only: nothing is built."""
+    """Load `profiles` and check they can share one reference and one pass rule: the same model, panel, encoding,
+    oracle, precision and bands file (gate sizes may differ per profile). Names and files only: nothing is built."""
     if not profiles:
         raise ProfileError("no engine profile given")
     loaded: list[Profile] = []
@@ -136,7 +136,7 @@ def one_gate_target(profiles: Sequence[str | os.PathLike[str] | Profile]) -> tup
         prof = ref if isinstance(ref, Profile) else load_profile(ref)
         targets[prof.name] = check_gate_target(prof)
         loaded.append(prof)
-    if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision) for t in targets.values()}) > 1:
+    if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision, t.bands) for t in targets.values()}) > 1:
         what = ", ".join(f"{n}: {t.model} on {t.panel} ({t.oracle})" for n, t in targets.items())
         raise ProfileError(f"profiles {list(targets)} are gated on different targets ({what}); one run gates one "
                            "model against one reference: run once per target")
