@@ -151,7 +151,10 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
                  gate_results: Sequence["PanelGateResult"] = (), extra: dict | None = None,
                  plots: dict | None = None, errored: Sequence[str] = ()):
     """The report set; it opens with each engine's KL-panel verdict, and an ERROR row naming the gates that
-    `errored` (neither passed nor failed: no PASS can stand beside them)."""
+    `errored` (neither passed nor failed: no PASS can stand beside them). Each engine's metrics are the ones its
+    gate verdict carries (`PanelGateResult.pair`); only an engine no gate scored on exactly these sequences
+    (none judged it, or the report restricts it to the sequences every engine scored) is scored here."""
+    from core.metrics import panel_evidence, score_pair
     from reports.render import build_report
 
     sections = dict(extra or {})
@@ -167,12 +170,15 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
                 rows.append({"engine": g.label, "profile": g.profile, **r})
         sections["KL panel gate verdicts"] = {
             "rows": rows, "note": "pass rule of gates.md §3; bands in gates/bands.toml"}
+    carried = {g.label: g.pair for g in gate_results if g.pair is not None}
+    pairs = [carried[label] if label in carried and carried[label].scores(ref, eng) else score_pair(ref, label, eng)
+             for label, eng in engines]
     verdicts = [{"engine": g.label, "verdict": "PASS" if g.passed else "FAIL", "why": "; ".join(g.failures[:3])}
                 for g in gate_results]
     if errored:
         verdicts.append({"engine": "gate session", "verdict": "ERROR",
                          "why": f"{len(errored)} gate(s) errored: {', '.join(errored[:5])}"})
-    return build_report(ref, list(engines), out_dir, extra=sections, extra_plots=plots, verdicts=verdicts)
+    return build_report(panel_evidence(pairs), out_dir, extra=sections, extra_plots=plots, verdicts=verdicts)
 
 
 def results_dir(base: str | os.PathLike | None = None, replace: bool = False, option: str = "--results") -> Path:

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.errors import UserError, one_line
+from core.metrics import score_panel
 from core.records import Record, RecordError
 from core.redact import redact
 from reports.render import ReportError, build_report, fmt, fmt_ci, fmt_p, fmt_pct
@@ -114,7 +115,7 @@ def report_app(
         if noise_floor is not None:
             floor_rec = Record.load(noise_floor)
             floor = (f"oracle {floor_rec.provenance.precision}", floor_rec)
-        paths = build_report(ref, engines, out, n_boot=n_boot, seed=seed, noise_floor=floor)
+        paths = build_report(score_panel(ref, engines, floor, n_boot, seed), out)
     except UserError as exc:
         typer.echo(f"error: {redact(one_line(exc))}", err=True)
         raise typer.Exit(code=2)

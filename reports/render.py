@@ -1,7 +1,8 @@
 """The panel report: report.json, report.md and a self-contained report.html (gates.md §3).
 
-`build_report(reference, [(label, engine_record), ...], out_dir, extra)` computes every metric with
-`core.metrics`, turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
+`build_report(evidence, out_dir, extra)` renders a `core.metrics.PanelEvidence`, every metric computed once
+beforehand (`score_pair` per pair, as the gate verdict reads it; `score_panel` for records no gate scored),
+turns it into one JSON-able dict (`report_data`, pure), renders Markdown and HTML
 from that dict with jinja2 templates, and writes the three files as one unit (`write_report_set`: all three
 or none, `report.manifest.json` last; `report_set_problems` checks a folder's set).
 
@@ -9,7 +10,7 @@ Text taken from records, panels or `extra` is never trusted: the HTML environmen
 Markdown environment escapes every `{{ ... }}` output through `md_escape` (pipes, angle brackets,
 link/emphasis characters, newlines).
 
-`noise_floor=(label, record)` is the oracle's other precision mode (for DeepSeek-V4.1: the `reference-bf16`
+The evidence's noise floor is the oracle's other precision mode (for DeepSeek-V4.1: the `reference-bf16`
 run beside the `fp32` reference, dsv41-architecture.md §5.5). It is scored against the reference like an
 engine, and the report shows its KL_part per domain next to every engine's, with the engine/floor ratio:
 an engine cannot be asked to sit closer to the oracle than the oracle's own rounding noise.
@@ -52,7 +53,6 @@ from core.redact import redact_data
 
 REPORT_FORMAT = "ds41-report/1"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-PAIRED_METRICS = ("kl_part", "nll_eng")
 
 
 class ReportError(UserError, ValueError):
@@ -65,15 +65,6 @@ class ReportPaths:
     json: Path
     markdown: Path
     html: Path
-
-
-@dataclass
-class EngineResult:
-    """One engine record scored against the reference."""
-
-    label: str
-    record: Record
-    panel: metrics.PanelMetrics
 
 
 # ---------------------------------------------------------------------------- JSON-safe values
@@ -100,90 +91,7 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-# ---------------------------------------------------------------------------- evaluation
-
-def _subset(pm: metrics.PositionMetrics, mask: np.ndarray) -> metrics.PositionMetrics:
-    return metrics.PositionMetrics(**{f.name: getattr(pm, f.name)[mask] for f in dataclasses.fields(pm)})
-
-
-def evaluate(reference: Record, engines: Sequence[tuple[str, Record]], n_boot: int = 2000,
-             seed: int = 0) -> list[EngineResult]:
-    """Score every engine record against the reference (raises RecordMismatch naming the record)."""
-    if not engines:
-        raise ReportError("a report needs at least one engine record")
-    labels = [label for label, _ in engines]
-    dupes = sorted({lb for lb in labels if labels.count(lb) > 1})
-    if dupes:
-        raise ReportError(f"engine record labels must be unique; repeated: {dupes}")
-    reference._check_consistent("reference record")
-    if reference.n_positions == 0:
-        raise ReportError("reference record scores no position (every sequence has a single token or none is "
-                          "scored): there is nothing to compare")
-    for label, rec in engines:
-        rec._check_consistent(f"engine record {label!r}")
-    out = []
-    for label, rec in engines:
-        try:
-            panel = metrics.panel_metrics(reference, rec, n_boot=n_boot, seed=seed)
-        except ValueError as exc:  # RecordError / RecordMismatch: say which record
-            raise type(exc)(f"engine record {label!r}: {exc}") from exc
-        out.append(EngineResult(label=label, record=rec, panel=panel))
-    return out
-
-
-def _worst_prompts(reference: Record, pm: metrics.PositionMetrics) -> dict[str, dict]:
-    """Per domain: the prompt with the highest mean KL_part (gates.md §3, 'worst per-prompt mean')."""
-    keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
-    means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], reference.n_sequences)
-    seq_domains = np.asarray(reference.domains, dtype=object)
-    out = {}
-    for d in dict.fromkeys(reference.domains):
-        idx = np.flatnonzero((seq_domains == d) & ~np.isnan(means))
-        if idx.size:
-            worst = int(idx[np.argmax(means[idx])])
-            out[d] = {"seq_id": reference.seq_ids[worst], "kl_part_mean": float(means[worst])}
-    return out
-
-
-def _derived(reference: Record, result: EngineResult) -> dict:
-    panel = result.panel
-    r20 = [g.kl_r20.mean for g in panel.domains.values() if g.kl_r20.n_positions]
-    return {
-        "macro_kl_r20": float(np.mean(r20)) if r20 else float("nan"),
-        "worst_prompt": _worst_prompts(reference, panel.positions),
-    }
-
-
-def compare(reference: Record, results: Sequence[EngineResult], n_boot: int = 2000, seed: int = 0) -> dict | None:
-    """Each record after the first against the first: paired per-prompt comparisons (gates.md §2.6)."""
-    if len(results) < 2:
-        return None
-    base = results[0]
-    domains = list(dict.fromkeys(reference.domains))
-    candidates = []
-    for cand in results[1:]:
-        a, b = base.panel.positions, cand.panel.positions
-        overall = {m: metrics.paired_comparison(a, b, m, n_boot, seed).as_dict() for m in PAIRED_METRICS}
-        per_domain = {}
-        for d in domains:
-            mask = a.domain == d
-            sa, sb = _subset(a, mask), _subset(b, mask)
-            per_domain[d] = {m: metrics.paired_comparison(sa, sb, m, n_boot, seed).as_dict() for m in PAIRED_METRICS}
-        closer = sum(1 for d in domains
-                     if cand.panel.domains[d].kl_part.mean < base.panel.domains[d].kl_part.mean)
-        ps = [(v["kl_part"]["wilcoxon_p"], d) for d, v in per_domain.items()
-              if v["kl_part"]["wilcoxon_p"] is not None and math.isfinite(v["kl_part"]["wilcoxon_p"])]
-        smallest = min(ps) if ps else (float("nan"), None)
-        candidates.append({
-            "label": cand.label,
-            "overall": overall,
-            "domains": per_domain,
-            "closer_domains": closer,
-            "n_domains": len(domains),
-            "smallest_domain_p": {"p": smallest[0], "domain": smallest[1]},
-        })
-    return {"baseline": base.label, "metrics": list(PAIRED_METRICS), "candidates": candidates}
-
+# ---------------------------------------------------------------------------- the report's data
 
 def normalise_extra(extra: Mapping[str, Any] | None) -> dict[str, dict]:
     """Check `extra` against {title: {"rows": [dict, ...], "note": str}} and add the column list."""
@@ -231,20 +139,7 @@ def _record_info(label: str, rec: Record) -> dict:
     }
 
 
-def evaluate_noise_floor(reference: Record, label: str, record: Record, n_boot: int = 2000,
-                         seed: int = 0) -> EngineResult:
-    """Score the oracle's other-precision record against the reference; refuse anything else."""
-    ref_p, nf_p = reference.provenance, record.provenance
-    if nf_p.side != "oracle":
-        raise ReportError(f"noise floor {label!r}: is an {nf_p.side!r} record; the noise floor is the oracle run "
-                          "in its other precision mode (e.g. ds41gate oracle run --precision reference-bf16)")
-    if nf_p.precision == ref_p.precision:
-        raise ReportError(f"noise floor {label!r}: has the reference's own precision {nf_p.precision!r}; "
-                          "it must be the oracle's other precision mode")
-    return evaluate(reference, [(label, record)], n_boot, seed)[0]
-
-
-def _noise_floor_data(floor: EngineResult, results: Sequence[EngineResult], domains: list[str]) -> dict:
+def _noise_floor_data(floor: metrics.PairMetrics, results: Sequence[metrics.PairMetrics], domains: list[str]) -> dict:
     """Per domain and overall: the floor's KL_part and each engine's KL_part as a multiple of it."""
     def ratio(a: float, b: float) -> float:
         return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
@@ -252,7 +147,7 @@ def _noise_floor_data(floor: EngineResult, results: Sequence[EngineResult], doma
     f = floor.panel
     rows = {d: f.domains[d].kl_part.mean for d in domains}
     return {
-        **_record_info(floor.label, floor.record),
+        **_record_info(floor.label, floor.engine),
         "metrics": f.as_dict(),
         "kl_part": {"domains": rows, "overall": f.overall.kl_part.mean, "macro": f.macro_kl},
         "engine_ratio": {
@@ -263,7 +158,7 @@ def _noise_floor_data(floor: EngineResult, results: Sequence[EngineResult], doma
     }
 
 
-def headline(results: Sequence[EngineResult], verdicts: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
+def headline(results: Sequence[metrics.PairMetrics], verdicts: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
     """What the report opens with: per engine its verdict (PASS / FAIL / ERROR from the gates, or "not gated"
     when no gate judged it), why, and the headline numbers, KL_part mean, top-1 on decided positions and the
     perplexity ratio, all over the whole panel. A row for "gate session" carries a session-wide ERROR."""
@@ -280,10 +175,11 @@ def headline(results: Sequence[EngineResult], verdicts: Sequence[Mapping[str, An
     return rows
 
 
-def report_data(reference: Record, results: Sequence[EngineResult], extra: Mapping[str, Any] | None = None,
-                n_boot: int = 2000, seed: int = 0, title: str | None = None,
-                noise_floor: EngineResult | None = None, verdicts: Sequence[Mapping[str, Any]] = ()) -> dict:
-    """Everything the report shows, as plain JSON types (pure apart from the creation time)."""
+def report_data(evidence: metrics.PanelEvidence, extra: Mapping[str, Any] | None = None, title: str | None = None,
+                verdicts: Sequence[Mapping[str, Any]] = ()) -> dict:
+    """Everything the report shows, as plain JSON types (pure apart from the creation time): the evidence's
+    numbers as they were computed, nothing scored again."""
+    reference, results, noise_floor = evidence.reference, evidence.pairs, evidence.noise_floor
     prov = reference.provenance
     domains = list(dict.fromkeys(reference.domains))
     return jsonable({
@@ -296,16 +192,17 @@ def report_data(reference: Record, results: Sequence[EngineResult], extra: Mappi
             "rest_floor": metrics.REST_FLOOR,
             "r20_support": metrics.R20_SUPPORT,
             "confidence_buckets": list(metrics.CONFIDENCE_LABELS),
-            "n_boot": n_boot,
-            "seed": seed,
+            "n_boot": evidence.n_boot,
+            "seed": evidence.seed,
             "ci_level": 0.95,
         },
         "reference": _record_info("reference", reference),
         "domains": domains,
         "noise_floor": None if noise_floor is None else _noise_floor_data(noise_floor, results, domains),
-        "engines": [{**_record_info(r.label, r.record), "metrics": r.panel.as_dict(), "derived": _derived(reference, r)}
+        "engines": [{**_record_info(r.label, r.engine), "metrics": r.panel.as_dict(),
+                     "derived": {"macro_kl_r20": r.macro_kl_r20, "worst_prompt": r.worst_prompt}}
                     for r in results],
-        "comparison": compare(reference, results, n_boot, seed),
+        "comparison": evidence.comparison,
         "extra": normalise_extra(extra),
     })
 
@@ -405,20 +302,16 @@ def render_html(data: dict, plots: Mapping[str, str]) -> str:
 
 # ---------------------------------------------------------------------------- IO
 
-def build_report(reference: Record, engines: list[tuple[str, Record]], out_dir: str | os.PathLike,
-                 extra: dict | None = None, *, n_boot: int = 2000, seed: int = 0,
-                 title: str | None = None, noise_floor: tuple[str, Record] | None = None,
-                 extra_plots: Mapping[str, str] | None = None,
+def build_report(evidence: metrics.PanelEvidence, out_dir: str | os.PathLike, extra: dict | None = None, *,
+                 title: str | None = None, extra_plots: Mapping[str, str] | None = None,
                  verdicts: Sequence[Mapping[str, Any]] = ()) -> ReportPaths:
-    """Score `engines` against `reference` and write report.json, report.md and report.html to `out_dir`.
-    `noise_floor`: (label, the oracle's other-precision record), shown beside every engine's KL.
+    """Render `evidence` (core.metrics.panel_evidence / score_panel: every number computed already) and write
+    report.json, report.md and report.html to `out_dir`.
     `verdicts`: [{"engine": label, "verdict": "PASS" | "FAIL" | "ERROR", "why": text}], the first thing shown."""
     from reports import plots  # matplotlib is imported only when a report is drawn
 
-    results = evaluate(reference, engines, n_boot, seed)
-    floor = None if noise_floor is None else evaluate_noise_floor(reference, *noise_floor, n_boot, seed)
-    data = redact_data(report_data(reference, results, extra, n_boot, seed, title, floor, verdicts))
-    images = plots.render_all(data, results)
+    data = redact_data(report_data(evidence, extra, title, verdicts))
+    images = plots.render_all(data, evidence.pairs)
     images.update(extra_plots or {})   # {caption: base64 PNG} drawn by others (the divergence localizer)
     out = Path(out_dir)
     paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")

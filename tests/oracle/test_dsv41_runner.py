@@ -335,14 +335,15 @@ def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_jso
     scipy's rel_entr over the two records' full distributions."""
     from scipy.special import rel_entr
 
-    from reports.render import ReportError, build_report
+    from core.metrics import EvidenceError, score_panel
+    from reports.render import build_report
 
     vocab = Checkpoint(tiny).model_config.vocab_size
     panel = encoded_from_json(panel_json)
     fp32 = run_panel(Checkpoint(tiny), panel, tmp_path / "w32", _opts(top_k=vocab))
     bf16 = run_panel(Checkpoint(tiny), panel, tmp_path / "w16", _opts(top_k=vocab, precision="reference-bf16"))
-    paths = build_report(fp32, [("engine-like", bf16)], tmp_path / "report", n_boot=100,
-                         noise_floor=("oracle reference-bf16", bf16))
+    paths = build_report(score_panel(fp32, [("engine-like", bf16)], ("oracle reference-bf16", bf16), n_boot=100),
+                         tmp_path / "report")
     data = json.loads(paths.json.read_text())
     floor = data["noise_floor"]
     kl = rel_entr(np.exp(fp32.full_logprobs.astype(np.float64)),
@@ -362,8 +363,8 @@ def test_report_shows_the_precision_noise_floor_beside_engine_kl(tiny, panel_jso
     assert "| top-k ties |" in md
     assert "noise floor (oracle reference-bf16)" in md and 'id="noise-floor"' in paths.html.read_text()
 
-    with pytest.raises(ReportError, match="own precision 'fp32'"):
-        build_report(fp32, [("e", bf16)], tmp_path / "r2", n_boot=100, noise_floor=("same", fp32))
+    with pytest.raises(EvidenceError, match="own precision 'fp32'"):
+        score_panel(fp32, [("e", bf16)], ("same", fp32), n_boot=100)
 
 
 def test_streamed_experts_give_the_same_record_holding_one_expert(tiny, panel_json, uninterrupted, tmp_path, monkeypatch):

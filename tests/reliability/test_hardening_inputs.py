@@ -485,7 +485,7 @@ def test_redaction_covers_env_keys_registered_keys_and_url_credentials(monkeypat
 
 # ============================================================================= 6. misleading messages
 def test_corrupt_reference_is_named_as_the_reference(records, tmp_path):
-    from reports.render import evaluate
+    from core.metrics import score_panel
 
     _, ref, eng = records
     import copy
@@ -494,7 +494,7 @@ def test_corrupt_reference_is_named_as_the_reference(records, tmp_path):
     bad.topk_logprobs = np.array(ref.topk_logprobs)
     bad.topk_logprobs[0, 0] = 2.0
     with pytest.raises(RecordError) as info:
-        evaluate(bad, [("eng", eng)], n_boot=100)
+        score_panel(bad, [("eng", eng)], n_boot=100)
     assert str(info.value).startswith("reference record: ")
     assert "engine record" not in str(info.value)
 

@@ -16,6 +16,7 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from core import metrics
+from core.metrics import EvidenceError, score_panel
 from core.records import Record, RecordMismatch
 from reports.cli import report_app
 from reports.render import ReportError, build_report, md_escape
@@ -29,6 +30,11 @@ DOMAINS = ("code", "math", "chat")
 
 def _records(seed: int = 0, noise: float = 0.3, domains=DOMAINS, n_seq: int = 12, length: int = 30):
     return pair_of_records(np.random.default_rng(seed), n_seq=n_seq, length=length, domains=domains, noise=noise)
+
+
+def _report(ref, engines, out, extra=None, **kw):
+    """The report of `engines` scored against `ref` (score_panel), as ds41gate report makes it."""
+    return build_report(score_panel(ref, engines, n_boot=N_BOOT), out, extra=extra, **kw)
 
 
 def _nan_to_none(value):
@@ -67,7 +73,7 @@ def _tags(html: str) -> list[tuple[str, dict]]:
 def one_engine(tmp_path_factory):
     ref, eng, _ = _records()
     out = tmp_path_factory.mktemp("one")
-    paths = build_report(ref, [("eng", eng)], out, n_boot=N_BOOT)
+    paths = _report(ref, [("eng", eng)], out)
     return ref, eng, paths
 
 
@@ -76,7 +82,7 @@ def two_engines(tmp_path_factory):
     ref, eng_a, _ = _records(seed=0, noise=0.3)
     _, eng_b, _ = _records(seed=0, noise=0.45)  # same seed: same tokens and reference, noisier engine
     out = tmp_path_factory.mktemp("two")
-    paths = build_report(ref, [("base", eng_a), ("cand", eng_b)], out, n_boot=N_BOOT)
+    paths = _report(ref, [("base", eng_a), ("cand", eng_b)], out)
     return ref, eng_a, eng_b, paths
 
 
@@ -180,7 +186,7 @@ def hostile(tmp_path_factory):
     extra = {SCRIPT + " section": {"note": "note " + SCRIPT + ATTR,
                                    "rows": [{"who" + SCRIPT: ATTR, "v": 1.5}, {"v": SCRIPT + "|pipe"}]}}
     out = tmp_path_factory.mktemp("hostile")
-    return build_report(ref, [(SCRIPT, eng), (ATTR, eng)], out, extra=extra, n_boot=N_BOOT)
+    return _report(ref, [(SCRIPT, eng), (ATTR, eng)], out, extra=extra)
 
 
 def test_html_escapes_all_record_text(hostile):
@@ -268,7 +274,7 @@ def test_hard_fail_and_infinite_perplexity_give_strict_json(tmp_path):
     actual = eng.actual_logprob.copy()
     actual[3] = -np.inf  # the engine gives the actual token q = 0 while p > 0
     eng = dataclasses.replace(eng, actual_logprob=actual)
-    paths = build_report(ref, [("broken", eng)], tmp_path, n_boot=N_BOOT)
+    paths = _report(ref, [("broken", eng)], tmp_path)
     data = _strict_json(paths.json)
     overall = data["engines"][0]["metrics"]["overall"]
     assert overall["hard_fails"] == 1
@@ -281,7 +287,7 @@ def test_extra_sections_render_as_tables(tmp_path):
     extra = {"Gate verdicts": {"note": "bands v1", "rows": [{"gate": "kl_panel", "pass": True, "mean": 0.0123},
                                                             {"gate": "needle", "ctx": [8, 32]}]},
              "Empty": {"rows": []}}
-    paths = build_report(ref, [("e", eng)], tmp_path, extra=extra, n_boot=N_BOOT)
+    paths = _report(ref, [("e", eng)], tmp_path, extra=extra)
     data = _strict_json(paths.json)
     assert data["extra"]["Gate verdicts"]["columns"] == ["gate", "pass", "mean", "ctx"]
     md = paths.markdown.read_text(encoding="utf-8")
@@ -303,23 +309,23 @@ def test_extra_sections_render_as_tables(tmp_path):
 def test_bad_extra_is_refused_with_a_clear_error(tmp_path, extra, message):
     ref, eng, _ = _records()
     with pytest.raises(ReportError, match=message):
-        build_report(ref, [("e", eng)], tmp_path, extra=extra, n_boot=N_BOOT)
+        _report(ref, [("e", eng)], tmp_path, extra=extra)
     assert not (tmp_path / "report.json").exists()
 
 
 def test_duplicate_labels_and_no_engines_are_refused(tmp_path):
     ref, eng, _ = _records()
-    with pytest.raises(ReportError, match="unique"):
-        build_report(ref, [("x", eng), ("x", eng)], tmp_path, n_boot=N_BOOT)
-    with pytest.raises(ReportError, match="at least one"):
-        build_report(ref, [], tmp_path, n_boot=N_BOOT)
+    with pytest.raises(EvidenceError, match="unique"):
+        _report(ref, [("x", eng), ("x", eng)], tmp_path)
+    with pytest.raises(EvidenceError, match="at least one"):
+        _report(ref, [], tmp_path)
 
 
 def test_incompatible_engine_record_is_named(tmp_path):
     ref, eng, _ = _records()
     other = dataclasses.replace(eng, provenance=dataclasses.replace(eng.provenance, panel_hash="q" * 64))
     with pytest.raises(RecordMismatch, match="engine record 'bad'.*panel hash"):
-        build_report(ref, [("ok", eng), ("bad", other)], tmp_path, n_boot=N_BOOT)
+        _report(ref, [("ok", eng), ("bad", other)], tmp_path)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -431,3 +437,30 @@ def test_the_report_opens_with_the_verdicts_and_headline_numbers(tmp_path):
     assert "<b>FAIL</b>" in html and "<b>ERROR</b>" in html
     md = paths.markdown.read_text(encoding="utf-8")
     assert md.index("## Verdicts") < md.index("## Provenance") and "| e | **FAIL** |" in md
+
+
+def test_write_report_renders_the_pair_each_gate_scored_and_scores_only_the_rest(tmp_path, monkeypatch):
+    """Metrics are computed once per pair: the gated engine's numbers are the ones its verdict carries (nothing
+    scored again); an engine no gate judged is scored for the report; a restriction to fewer sequences makes
+    another pair, scored anew."""
+    import core.metrics.pair as pair_mod
+    from core.verdicts import judge
+    from ds41gates.pipeline import write_report
+    from gates import BANDS_FILE
+
+    ref, eng, _ = _records()
+    _, other, _ = _records(noise=0.45)
+    panel, gate = judge(ref, eng, "default", "e", BANDS_FILE)
+    scored = []
+    real = pair_mod.panel_metrics
+    monkeypatch.setattr(pair_mod, "panel_metrics", lambda r, e, **kw: scored.append(e) or real(r, e, **kw))
+    data = _strict_json(write_report(ref, [("e", eng)], tmp_path / "one", [gate]).json)
+    assert scored == []
+    assert data["engines"][0]["metrics"] == _nan_to_none(panel.as_dict())
+    assert data["engines"][0]["derived"]["worst_prompt"] == gate.pair.worst_prompt
+
+    write_report(ref, [("e", eng), ("other", other)], tmp_path / "two", [gate])
+    assert scored == [other]
+    scored.clear()
+    write_report(ref, [("e", eng), ("short", other.subset(other.seq_ids[1:]))], tmp_path / "three", [gate])
+    assert len(scored) == 2   # both restricted to the sequences every engine scored: two new pairs
