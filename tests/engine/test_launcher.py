@@ -1,4 +1,5 @@
-"""engine.launcher: profiles, placeholders, and that no server process is ever left behind.
+"""engine.launcher / engine.profiles / engine.supervise: profiles, placeholders, and that no server process is
+ever left behind.
 
 The process-group tests use a tiny real HTTP server (written to tmp_path) that also spawns a child,
 so "the whole group is gone" is checked on more than the leader. Tests marked `engine` start the
@@ -20,15 +21,9 @@ from pathlib import Path
 import pytest
 
 from engine import launcher
-from engine.launcher import (
-    EngineServer,
-    EngineStartError,
-    ProfileError,
-    group_members,
-    load_profile,
-    parse_profile,
-    resolve,
-)
+from engine.launcher import EngineServer, EngineStartError, resolve
+from engine.profiles import ProfileError, load_profile, parse_profile
+from engine.supervise import group_members
 
 REPO = Path(__file__).resolve().parents[2]
 
