@@ -164,7 +164,7 @@ def run_cmd(
     from core.records import RecordError
     from oracle.dsv41.checkpoint import Checkpoint, CheckpointError
     from oracle.dsv41.runner import RunnerError, RunOptions, engram_token_map, run_to_file
-    from oracle.dsv41.shards import select_shard
+    from oracle.dsv41.panel_shards import select_shard
 
     sh = _parse_shard(shard)
     if cluster is not None and sh is not None:
@@ -223,7 +223,7 @@ def merge_cmd(
     """Join shard records into the record an unsharded run writes."""
     from core.records import RecordError
     from oracle.dsv41.runner import RunnerError
-    from oracle.dsv41.shards import merge_records
+    from oracle.dsv41.panel_shards import merge_records
 
     try:
         rec = merge_records(shards)

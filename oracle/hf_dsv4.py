@@ -289,7 +289,7 @@ def is_official_v4(model_dir: str | Path) -> bool:
 
 
 def _headers(d: Path, strict: bool = True) -> dict:
-    from oracle.dsv41.checkpoint import read_header
+    from oracle.dsv41.shard_io import read_header
 
     infos: dict = {}
     problems: list[str] = []

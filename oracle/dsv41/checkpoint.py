@@ -11,36 +11,37 @@ time, returning exact fp32 weights::
     lazy = ck.lazy("layers.3")          # a Mapping that dequantizes on access (real-size experts / tables)
     rows = ck.engram_rows(1, ids)       # only the looked-up Engram rows
     ck.provenance(); ck.provenance_hash()
+
+The other two jobs of loading live beside it: inventory.py derives the expected tensors from the config,
+shard_io.py reads the safetensors shards of one folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import re
-import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-
-from . import formats as F
-from .config import ModelConfig
 
 from core.errors import UserError
 
-INDEX_NAME = "model.safetensors.index.json"
+from . import formats as F
+from .config import ModelConfig
+from .engram import engram_prime_rows
+from .inventory import TensorSpec, expected_inventory
+from .shard_io import INDEX_NAME, RandomReads, ShardFolder, ShortRead, TensorInfo, sha256_file
+
+# INDEX_NAME is shard_io's; re-exported because callers that write a checkpoint's index read it here
+__all__ = ["INDEX_NAME", "PLAN_NAME", "Checkpoint", "CheckpointError", "LazyWeights", "OutputBuffers",
+           "parse_moe_plan"]
+
 PLAN_NAME = "exl3_moe_plan.json"
 PROVENANCE_FORMAT = "ds41-provenance/1"
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
@@ -51,362 +52,6 @@ class CheckpointError(UserError, ValueError):
         self.where, self.problems = where, list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{where}: {len(self.problems)} problem(s):\n{lines}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Expected inventory from the configuration (dsv41-architecture.md §4)
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    out: int
-    in_: int
-    storage: str  # official storage: "fp8" (e4m3 + 32x32 e8m0), "fp4" (MXFP4), "bf16"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class TableSpec:  # Engram table: {p}.weight F8_E4M3 [rows, width] + {p}.scale F8_E8M0 [rows, width/32]
-    rows: int
-    width: int
-
-
-@dataclass
-class Inventory:
-    linears: dict[str, LinearSpec]
-    tensors: dict[str, TensorSpec]
-    tables: dict[str, TableSpec]
-    # accepted and loaded when present, not required: gate.bias_vl of a vision-off configuration (the release
-    # ships it; a checkpoint written for the reference's vision-off model has none)
-    optional: dict[str, TensorSpec] = field(default_factory=dict)
-
-    def official_tensors(self, block: tuple[int, int]) -> dict[str, TensorSpec]:
-        """Tensor name -> spec of the official storage of every tensor (§4.2, §4.3)."""
-        br, bc = block
-        out = dict(self.tensors)
-        for p, s in self.linears.items():
-            if s.storage == "fp8":
-                out[f"{p}.weight"] = TensorSpec((s.out, s.in_), "F8_E4M3")
-                out[f"{p}.scale"] = TensorSpec((math.ceil(s.out / br), math.ceil(s.in_ / bc)), "F8_E8M0")
-            elif s.storage == "fp4":
-                out[f"{p}.weight"] = TensorSpec((s.out, s.in_ // 2), "I8")
-                out[f"{p}.scale"] = TensorSpec((s.out, s.in_ // 32), "F8_E8M0")
-            else:
-                out[f"{p}.weight"] = TensorSpec((s.out, s.in_), "BF16")
-        for p, t in self.tables.items():
-            out[f"{p}.weight"] = TensorSpec((t.rows, t.width), "F8_E4M3")
-            out[f"{p}.scale"] = TensorSpec((t.rows, t.width // 32), "F8_E8M0")
-        return out
-
-
-def _block_core_specs(cfg: ModelConfig, p: str, lin: dict[str, LinearSpec], ten: dict[str, TensorSpec]) -> str:
-    """The tensors every V4 and V4.1 block has (hyper-connection mixes, the two norms, the MLA projections);
-    returns the block's attention prefix for the version-specific rest."""
-    d, hc = cfg.dim, cfg.hc_mult
-    for hc_name in ("attn", "ffn"):
-        ten[f"{p}.hc_{hc_name}_fn"] = TensorSpec((cfg.mix_hc, hc * d), "F32")
-        ten[f"{p}.hc_{hc_name}_base"] = TensorSpec((cfg.mix_hc,), "F32")
-        ten[f"{p}.hc_{hc_name}_scale"] = TensorSpec((3,), "F32")
-    ten[f"{p}.attn_norm.weight"] = TensorSpec((d,), "BF16")
-    ten[f"{p}.ffn_norm.weight"] = TensorSpec((d,), "BF16")
-    a = f"{p}.attn"
-    ten[f"{a}.attn_sink"] = TensorSpec((cfg.n_heads,), "F32")
-    hd_all = cfg.n_heads * cfg.head_dim
-    lin[f"{a}.wq_a"] = LinearSpec(cfg.q_lora_rank, d, "fp8")
-    ten[f"{a}.q_norm.weight"] = TensorSpec((cfg.q_lora_rank,), "BF16")
-    lin[f"{a}.wq_b"] = LinearSpec(hd_all, cfg.q_lora_rank, "fp8")
-    lin[f"{a}.wkv"] = LinearSpec(cfg.head_dim, d, "fp8")
-    ten[f"{a}.kv_norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
-    lin[f"{a}.wo_a"] = LinearSpec(cfg.o_groups * cfg.o_lora_rank, hd_all // cfg.o_groups, "fp8")
-    lin[f"{a}.wo_b"] = LinearSpec(d, cfg.o_groups * cfg.o_lora_rank, "fp8")
-    return a
-
-
-def expected_inventory(cfg: ModelConfig) -> Inventory:
-    """Every tensor of the official checkpoint for ``cfg`` (dsv41-architecture.md §4.2, §4.3)."""
-    if cfg.is_v4:
-        return expected_inventory_v4(cfg)
-    d, hc = cfg.dim, cfg.hc_mult
-    lin: dict[str, LinearSpec] = {}
-    ten: dict[str, TensorSpec] = {}
-    opt: dict[str, TensorSpec] = {}
-    tab: dict[str, TableSpec] = {}
-
-    def block(p: str, L: int, backbone: bool):
-        a = _block_core_specs(cfg, p, lin, ten)
-        if backbone and cfg.is_kv_source(L):
-            lin[f"{a}.compressor.wkv"] = LinearSpec(cfg.head_dim, d, "bf16")
-            if cfg.ratio(L) == 2:
-                lin[f"{a}.compressor.wgate"] = LinearSpec(cfg.head_dim, d, "bf16")
-            ten[f"{a}.compressor.norm.weight"] = TensorSpec((cfg.head_dim,), "BF16")
-            lin[f"{a}.indexer.wk"] = LinearSpec(cfg.index_head_dim, cfg.head_dim, "bf16")
-            ten[f"{a}.indexer.k_norm.weight"] = TensorSpec((cfg.index_head_dim,), "BF16")
-        if backbone and cfg.is_index_source(L):
-            lin[f"{a}.indexer.wq_b"] = LinearSpec(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, "fp8")
-            lin[f"{a}.indexer.weights_proj"] = LinearSpec(cfg.index_n_heads, d, "bf16")
-        f = f"{p}.ffn"
-        n_exp, _ = cfg.moe_experts(L)
-        lin[f"{f}.gate"] = LinearSpec(n_exp, d, "bf16")
-        ten[f"{f}.gate.bias"] = TensorSpec((n_exp,), "F32")
-        if cfg.vision_n_layers > 0:  # the reference defines gate.bias_vl only with the vision path on
-            ten[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
-        else:
-            opt[f"{f}.gate.bias_vl"] = TensorSpec((n_exp,), "F32")
-        inter = cfg.moe_inter_dim
-        for e in range(n_exp):
-            lin[f"{f}.experts.{e}.w1"] = LinearSpec(inter, d, "fp4")
-            lin[f"{f}.experts.{e}.w3"] = LinearSpec(inter, d, "fp4")
-            lin[f"{f}.experts.{e}.w2"] = LinearSpec(d, inter, "fp4")
-        sh = inter * cfg.n_shared_experts
-        lin[f"{f}.shared_experts.w1"] = LinearSpec(sh, d, "fp8")
-        lin[f"{f}.shared_experts.w3"] = LinearSpec(sh, d, "fp8")
-        lin[f"{f}.shared_experts.w2"] = LinearSpec(d, sh, "fp8")
-        if backbone and L in cfg.engram_layer_ids:
-            e_ = f"{p}.engram"
-            rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(L)]
-            tab[f"{e_}.embed"] = TableSpec(rows, cfg.engram_head_dim)
-            n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-            lin[f"{e_}.wkv"] = LinearSpec(d * (hc + 1), n_cols * cfg.engram_head_dim, "fp8")
-            ten[f"{e_}.q_weight"] = TensorSpec((hc, d), "BF16")
-            ten[f"{e_}.k_weight"] = TensorSpec((hc, d), "BF16")
-
-    for L in range(cfg.n_layers):
-        block(f"layers.{L}", L, True)
-    for S in range(cfg.n_mtp_layers):
-        block(f"mtp.{S}", cfg.n_layers + S, False)
-    if cfg.n_mtp_layers:  # DSpark extras (§4.3, §15)
-        lin["mtp.0.main_proj"] = LinearSpec(d, d * len(cfg.dspark_target_layer_ids), "fp8")
-        ten["mtp.0.main_norm.weight"] = TensorSpec((d,), "BF16")
-        last, r = f"mtp.{cfg.n_mtp_layers - 1}", cfg.dspark_markov_rank
-        ten[f"{last}.norm.weight"] = TensorSpec((d,), "BF16")
-        lin[f"{last}.markov_head.embed"] = LinearSpec(cfg.vocab_size, r, "bf16")
-        lin[f"{last}.markov_head.head"] = LinearSpec(cfg.vocab_size, r, "bf16")
-        lin[f"{last}.confidence_head.proj"] = LinearSpec(1, d + r, "bf16")
-    ten["embed.weight"] = TensorSpec((cfg.vocab_size, d), "BF16")
-    lin["head"] = LinearSpec(cfg.vocab_size, d, "bf16")
-    ten["norm.weight"] = TensorSpec((d,), "BF16")
-    if cfg.vision_n_layers:
-        vd, vi, ps, ds = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_downsample_ratio
-        lin["vision.patch_embed.proj"] = LinearSpec(vd, 3 * ps * ps, "bf16")
-        ten["vision.patch_embed.proj.bias"] = TensorSpec((vd,), "BF16")
-        for n in range(cfg.vision_n_layers):
-            b = f"vision.blocks.{n}"
-            ten[f"{b}.norm1.weight"] = TensorSpec((vd,), "BF16")
-            ten[f"{b}.norm2.weight"] = TensorSpec((vd,), "BF16")
-            lin[f"{b}.attn.wqkv"] = LinearSpec(3 * vd, vd, "bf16")
-            ten[f"{b}.attn.wqkv.bias"] = TensorSpec((3 * vd,), "BF16")
-            lin[f"{b}.attn.wo"] = LinearSpec(vd, vd, "bf16")
-            ten[f"{b}.attn.wo.bias"] = TensorSpec((vd,), "BF16")
-            lin[f"{b}.mlp.w1"] = LinearSpec(2 * vi, vd, "bf16")
-            lin[f"{b}.mlp.w2"] = LinearSpec(vd, vi, "bf16")
-        ten["vision.norm.weight"] = TensorSpec((vd,), "BF16")
-        lin["aligner.w1"] = LinearSpec(d, vd * ds * ds, "bf16")
-        ten["aligner.w1.bias"] = TensorSpec((d,), "BF16")
-        lin["aligner.w2"] = LinearSpec(d, d, "bf16")
-        ten["aligner.w2.bias"] = TensorSpec((d,), "BF16")
-        for n in ("image_start", "image_end", "image_newline"):
-            ten[n] = TensorSpec((d,), "BF16")
-    return Inventory(lin, ten, tab, opt)
-
-
-def expected_inventory_v4(cfg: ModelConfig) -> Inventory:
-    """Every tensor of a DeepSeek-V4 (Flash) checkpoint for ``cfg``: the names of the V4 reference's modules
-    (dsv4-engine.md §2, §5), which the release's index uses. Per layer: mHC (hc_attn_*, hc_ffn_*), attention
-    (FP8 wq_a/wq_b/wkv/wo_a/wo_b, norms, attn_sink), a compressor with ``ape`` on every compressed layer, an
-    indexer with its own compressor on ratio-4 layers, the MoE gate (``tid2eid`` on hash layers, ``bias``
-    elsewhere), routed experts (``expert_dtype``: fp4 or fp8) and the FP8 shared expert; at the top the
-    embedding, final norm, head and ``hc_head_*``; per MTP layer a block plus e_proj/h_proj, enorm/hnorm,
-    norm and its own ``hc_head_*``."""
-    d, hc = cfg.dim, cfg.hc_mult
-    lin: dict[str, LinearSpec] = {}
-    ten: dict[str, TensorSpec] = {}
-    expert_storage = "fp4" if cfg.expert_dtype == "fp4" else "fp8"
-
-    def compressor(p: str, ratio: int, head_dim: int):
-        coff = 2 if ratio == 4 else 1
-        ten[f"{p}.ape"] = TensorSpec((ratio, coff * head_dim), "F32")
-        lin[f"{p}.wkv"] = LinearSpec(coff * head_dim, d, "bf16")
-        lin[f"{p}.wgate"] = LinearSpec(coff * head_dim, d, "bf16")
-        ten[f"{p}.norm.weight"] = TensorSpec((head_dim,), "BF16")
-
-    def hc_head(p: str):
-        ten[f"{p}hc_head_fn"] = TensorSpec((hc, hc * d), "F32")
-        ten[f"{p}hc_head_base"] = TensorSpec((hc,), "F32")
-        ten[f"{p}hc_head_scale"] = TensorSpec((1,), "F32")
-
-    def block(p: str, L: int):
-        a = _block_core_specs(cfg, p, lin, ten)
-        r = cfg.ratio(L)
-        if r:
-            compressor(f"{a}.compressor", r, cfg.head_dim)
-        if r == 4:
-            lin[f"{a}.indexer.wq_b"] = LinearSpec(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, "fp8")
-            lin[f"{a}.indexer.weights_proj"] = LinearSpec(cfg.index_n_heads, d, "bf16")
-            compressor(f"{a}.indexer.compressor", r, cfg.index_head_dim)
-        f = f"{p}.ffn"
-        lin[f"{f}.gate"] = LinearSpec(cfg.n_routed_experts, d, "bf16")
-        if cfg.is_hash_layer(L):
-            ten[f"{f}.gate.tid2eid"] = TensorSpec((cfg.vocab_size, cfg.n_activated_experts), "I32|I64")
-        else:
-            ten[f"{f}.gate.bias"] = TensorSpec((cfg.n_routed_experts,), "F32")
-        inter = cfg.moe_inter_dim
-        for e in range(cfg.n_routed_experts):
-            lin[f"{f}.experts.{e}.w1"] = LinearSpec(inter, d, expert_storage)
-            lin[f"{f}.experts.{e}.w3"] = LinearSpec(inter, d, expert_storage)
-            lin[f"{f}.experts.{e}.w2"] = LinearSpec(d, inter, expert_storage)
-        lin[f"{f}.shared_experts.w1"] = LinearSpec(inter, d, "fp8")
-        lin[f"{f}.shared_experts.w3"] = LinearSpec(inter, d, "fp8")
-        lin[f"{f}.shared_experts.w2"] = LinearSpec(d, inter, "fp8")
-
-    for L in range(cfg.n_layers):
-        block(f"layers.{L}", L)
-    for S in range(cfg.n_mtp_layers):
-        m = f"mtp.{S}"
-        block(m, cfg.n_layers + S)
-        lin[f"{m}.e_proj"] = LinearSpec(d, d, "fp8")
-        lin[f"{m}.h_proj"] = LinearSpec(d, d, "fp8")
-        for n in ("enorm", "hnorm", "norm"):
-            ten[f"{m}.{n}.weight"] = TensorSpec((d,), "BF16")
-        hc_head(f"{m}.")
-    ten["embed.weight"] = TensorSpec((cfg.vocab_size, d), "BF16")
-    lin["head"] = LinearSpec(cfg.vocab_size, d, "bf16")
-    ten["norm.weight"] = TensorSpec((d,), "BF16")
-    hc_head("")
-    return Inventory(lin, ten, {})
-
-
-def engram_prime_rows(cfg: ModelConfig) -> list[int]:
-    """Rows of each Engram table = the sum of its layer's primes (dsv41-architecture.md §8.2)."""
-    from sympy import nextprime
-
-    used: set[int] = set()
-    rows = []
-    for _ in cfg.engram_layer_ids:
-        total = 0
-        for _n in range(2, cfg.engram_max_ngram_size + 1):
-            cur = cfg.engram_vocab_size - 1
-            for _h in range(cfg.engram_n_heads):
-                cur = nextprime(cur)
-                while cur in used:
-                    cur = nextprime(cur)
-                used.add(cur)
-                total += cur
-        rows.append(total)
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One folder of safetensors shards
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-    begin: int  # absolute byte offsets of the data in the file
-    end: int
-
-    @property
-    def header(self) -> F.Header:
-        return F.Header(self.dtype, self.shape)
-
-
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict, list[str]]:
-    """Parse a safetensors header (8-byte LE length, JSON) and check it against the file size (§19)."""
-    problems: list[str] = []
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            return {}, {}, [f"{path.name}: truncated file ({size} bytes, no header)"]
-        n = struct.unpack("<Q", raw)[0]
-        if 8 + n > size:
-            return {}, {}, [f"{path.name}: truncated file (header says {n} bytes, file has {size})"]
-        try:
-            hdr = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return {}, {}, [f"{path.name}: unreadable header JSON ({e})"]
-    meta = hdr.pop("__metadata__", None) or {}
-    infos: dict[str, TensorInfo] = {}
-    data_end = 0
-    for name, h in hdr.items():
-        try:
-            dtype, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{path.name}: malformed header entry for {name}")
-            continue
-        nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
-        if dtype not in _DTYPE_BYTES:
-            problems.append(f"{name} ({path.name}): unknown dtype {dtype}")
-        elif e - b != nbytes:
-            problems.append(f"{name} ({path.name}): {e - b} data bytes for {dtype} {list(shape)} ({nbytes} expected)")
-        data_end = max(data_end, e)
-        infos[name] = TensorInfo(name, dtype, shape, path, 8 + n + b, 8 + n + e)
-    if 8 + n + data_end > size:
-        problems.append(f"{path.name}: truncated file ({size} bytes, tensors need {8 + n + data_end})")
-    return infos, meta, problems
-
-
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-class _Folder:
-    """The shards of one folder: inventory from the index if present, else the union of shard headers."""
-
-    def __init__(self, folder: Path, role: str):
-        self.dir, self.role = folder, role
-        self.problems: list[str] = []
-        self.infos: dict[str, TensorInfo] = {}
-        self.index_sha256: str | None = None
-        self._handles: dict[Path, object] = {}
-        if not folder.is_dir():
-            self.problems.append(f"{role} folder {folder} does not exist")
-            return
-        index = folder / INDEX_NAME
-        declared: dict[str, str] | None = None
-        if index.exists():
-            self.index_sha256 = _sha256_file(index)
-            try:
-                declared = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                self.problems.append(f"{index}: no readable weight_map ({e})")
-        files = sorted(set(declared.values())) if declared else sorted(p.name for p in folder.glob("*.safetensors"))
-        if not files:
-            self.problems.append(f"{role} folder {folder} holds no safetensors shards")
-        for fn in files:
-            path = folder / fn
-            if not path.exists():
-                self.problems.append(f"{INDEX_NAME} names shard {fn}, which does not exist in {folder}")
-                continue
-            infos, _, probs = read_header(path)
-            self.problems += probs
-            for name, info in infos.items():
-                if name in self.infos:
-                    self.problems.append(f"{name}: in both {self.infos[name].file.name} and {fn}")
-                elif declared is not None and declared.get(name) != fn:
-                    self.problems.append(f"{name}: in shard {fn} but the index maps it to {declared.get(name)}")
-                else:
-                    self.infos[name] = info
-        if declared:
-            for name, fn in declared.items():
-                if name not in self.infos and (folder / fn).exists():
-                    self.problems.append(f"{name}: listed in {INDEX_NAME} but absent from shard {fn}")
-
-    def read(self, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
-        """Lazy read of one tensor (or a row range) through safetensors; 1-byte float formats as uint8."""
-        h = self._handles.get(info.file)
-        if h is None:
-            h = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        t = h.get_tensor(info.name) if rows is None else h.get_slice(info.name)[rows]
-        return t.view(torch.uint8) if info.dtype.startswith("F8_") else t
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -489,35 +134,6 @@ class OutputBuffers:
         return len(idle)
 
 
-class _RandomReads:
-    """Positional reads of a few bytes at a time from shard files opened with readahead off (POSIX_FADV_RANDOM):
-    only the pages holding the requested bytes are read from storage."""
-
-    def __init__(self):
-        self.fds: dict[Path, int] = {}
-
-    def __enter__(self) -> "_RandomReads":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
-
-    def pread(self, path: Path, offset: int, n: int) -> np.ndarray:
-        fd = self.fds.get(path)
-        if fd is None:
-            fd = self.fds[path] = os.open(path, os.O_RDONLY)
-            try:  # advice only: the bytes read are the same without it (some sandboxes refuse it)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            except (AttributeError, OSError):
-                pass
-        b = os.pread(fd, n, offset)
-        if len(b) != n:
-            raise CheckpointError(str(path), [f"short read: {len(b)} of {n} bytes at offset {offset} (truncated shard?)"])
-        return np.frombuffer(b, dtype=np.uint8)
-
-
 class Checkpoint:
     """The official checkpoint, optionally with a pack layered over it (weight-formats.md §2.4)."""
 
@@ -531,7 +147,7 @@ class Checkpoint:
             self.model_config = ModelConfig.from_dict(self.config)
         except (OSError, json.JSONDecodeError, ValueError, TypeError) as e:
             raise CheckpointError(where, [f"{cfg_path}: {e}"]) from e
-        self._config_sha256 = _sha256_file(cfg_path)
+        self._config_sha256 = sha256_file(cfg_path)
         qc = self.config.get("quantization_config") or {}
         block = fp8_block or qc.get("weight_block_size")
         if block is None and "quantization_config" not in self.config and self.config.get("dtype") == "fp8":
@@ -544,14 +160,14 @@ class Checkpoint:
             block = (32, 32)
         self.fp8_block = tuple(int(b) for b in block)
         self.inventory = expected_inventory(self.model_config)
-        self._official = _Folder(self.dir, "official")
+        self._official = ShardFolder(self.dir, "official")
         problems += self._official.problems
-        self._pack = _Folder(self.pack_dir, "pack") if self.pack_dir else None
+        self._pack = ShardFolder(self.pack_dir, "pack") if self.pack_dir else None
         self.pack_config: dict | None = None
         self._pack_config_sha256 = self._plan_sha256 = None
         # resolution: linear prefix -> (folder, format); tensor name -> folder
-        self._linears: dict[str, tuple[_Folder, F.LinearFormat]] = {}
-        self._tensors: dict[str, _Folder] = {}
+        self._linears: dict[str, tuple[ShardFolder, F.LinearFormat]] = {}
+        self._tensors: dict[str, ShardFolder] = {}
         if not self._official.problems:
             problems += self._validate_official()
         if self._pack is not None:
@@ -628,7 +244,7 @@ class Checkpoint:
                 self.pack_config = json.loads(cfg_path.read_text())
             except json.JSONDecodeError as e:
                 problems.append(f"{cfg_path}: {e}")
-            self._pack_config_sha256 = _sha256_file(cfg_path)
+            self._pack_config_sha256 = sha256_file(cfg_path)
         pqc = (self.pack_config or {}).get("quantization_config") or {}
         pack_block = (pqc.get("non_routed_quantization") or {}).get("weight_block_size") or self.fp8_block
         pack_block = tuple(int(b) for b in pack_block)
@@ -682,7 +298,7 @@ class Checkpoint:
                         if src is self._pack and fmt.kind == "exl3" and ".ffn.experts." in p and p.startswith("layers.")}
         if not plan_path.exists():
             return []
-        self._plan_sha256 = _sha256_file(plan_path)
+        self._plan_sha256 = sha256_file(plan_path)
         try:
             plan = parse_moe_plan(json.loads(plan_path.read_text()))
         except (json.JSONDecodeError, ValueError) as e:
@@ -736,6 +352,13 @@ class Checkpoint:
 
     # ---- reading ----------------------------------------------------------------------------------------
 
+    def release_file_handles(self) -> None:
+        """Drop the open shard files (each an mmap of a whole shard, whose mapped pages count toward RSS); the
+        next read opens them again. A layer-streamed runner calls it after each stage."""
+        for folder in (self._official, self._pack):
+            if folder is not None:
+                folder.release_handles()
+
     def byte_ranges(self, prefix: str) -> list[tuple[Path, int, int]]:
         """(file, begin, end) of the stored bytes a load of ``prefix`` reads (a layer ``"layers.3"``, or one
         exact tensor name), in file order: for readahead. Engram tables are left out (read by rows)."""
@@ -750,7 +373,7 @@ class Checkpoint:
                 ranges.append((i.file, i.begin, i.end))
         return sorted(ranges)
 
-    def _read(self, src: _Folder, name: str) -> torch.Tensor:
+    def _read(self, src: ShardFolder, name: str) -> torch.Tensor:
         t = src.read(src.infos[name])
         self._loaded[name] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
         return t
@@ -809,11 +432,14 @@ class Checkpoint:
         got_w = np.empty((uniq.numel(), wi.shape[1]), dtype=np.uint8)
         got_s = np.empty((uniq.numel(), si.shape[1]), dtype=np.uint8)
         seen = self._rows_read.setdefault(prefix, {})
-        with _RandomReads() as fds:
-            for i, r in enumerate(uniq.tolist()):
-                got_w[i] = fds.pread(wi.file, wi.begin + r * wi.shape[1], wi.shape[1])
-                got_s[i] = fds.pread(si.file, si.begin + r * si.shape[1], si.shape[1])
-                seen[r] = hashlib.sha256(got_w[i].tobytes() + got_s[i].tobytes()).hexdigest()
+        try:
+            with RandomReads() as fds:
+                for i, r in enumerate(uniq.tolist()):
+                    got_w[i] = fds.pread(wi.file, wi.begin + r * wi.shape[1], wi.shape[1])
+                    got_s[i] = fds.pread(si.file, si.begin + r * si.shape[1], si.shape[1])
+                    seen[r] = hashlib.sha256(got_w[i].tobytes() + got_s[i].tobytes()).hexdigest()
+        except ShortRead as e:
+            raise CheckpointError(str(e.path), [e.detail]) from e
         table = F.engram_rows_dequant(torch.from_numpy(got_w), torch.from_numpy(got_s))
         _check_finite(prefix, table, ws)
         return table[torch.searchsorted(uniq, rows.reshape(-1))].reshape(*rows.shape, -1)
@@ -888,7 +514,7 @@ class Checkpoint:
 
     def provenance(self) -> dict:
         """What this build is and exactly what has been read from it so far (weight-formats.md §2.4 rule 6)."""
-        def folder(f: _Folder | None):
+        def folder(f: ShardFolder | None):
             if f is None:
                 return None
             files = sorted({i.file for i in f.infos.values()})
@@ -916,7 +542,7 @@ class Checkpoint:
                             for t, r in sorted(self._rows_read.items())},
         }
 
-    def _linears_src_of(self, name: str) -> _Folder:
+    def _linears_src_of(self, name: str) -> ShardFolder:
         if name in self._tensors:
             return self._tensors[name]
         p = name[:-len("_blocks")] if name.endswith(F.BLOCK_SUFFIXES) else name.rpartition(".")[0]
@@ -972,7 +598,7 @@ def _check_tensor(name: str, info: TensorInfo | None, spec: TensorSpec) -> list[
     return out
 
 
-def _check_finite(name: str, t: torch.Tensor, src: _Folder) -> None:
+def _check_finite(name: str, t: torch.Tensor, src: ShardFolder) -> None:
     # min and max propagate NaN and show ±inf, so both finite <=> every value finite; ~25x cheaper than
     # isfinite().all() (no bool tensor), and this runs on every decoded weight
     if t.numel() == 0 or all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):

@@ -38,7 +38,7 @@ from panels.model import EncodedPanel
 from panels.pre_encoded import sequences_hash
 
 from .options import RunnerError, RunOptions
-from .shards import merge_records, select_shard
+from .panel_shards import merge_records, select_shard
 
 ATTEMPTS_LOG = "attempts.jsonl"  # in a shard's work dir: one line per attempt (host, pid, start time)
 DEFAULT_RETRIES = 2

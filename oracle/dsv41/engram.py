@@ -88,31 +88,44 @@ class EngramLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig) -> "EngramLayout":
-        used: set[int] = set()
-        primes, offsets = [], []
-        for li, L in enumerate(cfg.engram_layer_ids):
-            per_n = []
-            for _n in range(2, cfg.engram_max_ngram_size + 1):
-                current, row = cfg.engram_vocab_size - 1, []
-                for _h in range(cfg.engram_n_heads):
-                    current = sympy.nextprime(current)
-                    while current in used:
-                        current = sympy.nextprime(current)
-                    used.add(current)
-                    row.append(int(current))
-                per_n.append(tuple(row))
+        primes, offsets = engram_primes(cfg), []
+        for li, (L, per_n) in enumerate(zip(cfg.engram_layer_ids, primes)):
             flat = [p for row in per_n for p in row]
             if sum(flat) != cfg.engram_num_embeddings[li]:
                 raise ValueError(f"engram layer {L}: primes sum to {sum(flat)}, config says "
                                  f"engram_num_embeddings={cfg.engram_num_embeddings[li]}")
-            primes.append(tuple(per_n))
             offsets.append(tuple(int(v) for v in np.concatenate([[0], np.cumsum(flat)[:-1]])))
         C = cfg.engram_compressed_vocab_size
         bound = max(1, (np.iinfo(np.int64).max // C) // 2)
         mult = np.stack([
             np.random.default_rng(10007 * L).integers(0, bound, size=cfg.engram_max_ngram_size, dtype=np.int64) * 2 + 1
             for L in cfg.engram_layer_ids]) if cfg.engram_layer_ids else np.zeros((0, 0), np.int64)
-        return cls(tuple(cfg.engram_layer_ids), tuple(primes), tuple(offsets), mult, C)
+        return cls(tuple(cfg.engram_layer_ids), primes, tuple(offsets), mult, C)
+
+
+def engram_primes(cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """[layer][n - 2][head]: the hash moduli of every Engram table (§8.2). Each is the next prime above
+    engram_vocab_size - 1 not yet taken by an earlier (layer, n, head), so all are distinct across layers."""
+    used: set[int] = set()
+    layers = []
+    for _L in cfg.engram_layer_ids:
+        per_n = []
+        for _n in range(2, cfg.engram_max_ngram_size + 1):
+            current, row = cfg.engram_vocab_size - 1, []
+            for _h in range(cfg.engram_n_heads):
+                current = sympy.nextprime(current)
+                while current in used:
+                    current = sympy.nextprime(current)
+                used.add(current)
+                row.append(int(current))
+            per_n.append(tuple(row))
+        layers.append(tuple(per_n))
+    return tuple(layers)
+
+
+def engram_prime_rows(cfg: ModelConfig) -> list[int]:
+    """Rows of each Engram table = the sum of its layer's primes (§8.2): what engram_num_embeddings must say."""
+    return [sum(p for row in per_n for p in row) for per_n in engram_primes(cfg)]
 
 
 class NgramHasher:

@@ -156,7 +156,7 @@ def plan_pack(headers: dict[str, F.Header], cfg: dict) -> PackPlan:
 
 
 def read_folder_headers(folder: Path) -> dict[str, tuple[F.Header, Path]]:
-    from .checkpoint import read_header
+    from .shard_io import read_header
 
     out: dict[str, tuple[F.Header, Path]] = {}
     for shard in sorted(folder.glob("*.safetensors")):

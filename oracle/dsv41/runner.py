@@ -20,7 +20,7 @@ the attention state later layers read: compressed KV, index keys, published top-
 masks, owner pointers, tie counts) is a StageWriter entry (spill.py), held in RAM or spilled to disk. Each
 stage is committed atomically into the work dir (workdir.py), so a run killed at any point continues from
 the last finished stage and produces the same bytes as an uninterrupted run. Sharding and merging shard
-records: shards.py. Allocator, /proc and readahead plumbing: host.py.
+records: panel_shards.py. Allocator, /proc and readahead plumbing: host.py.
 
 A DeepSeek-V4 checkpoint (`cfg.is_v4`) runs the same stages with the V4 layer (block_v4.BlockV4, which also
 gets the token ids for its hash routing) and the V4 head (head.HyperHead: norm, head and hc_head_*).
@@ -199,7 +199,7 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
                     step = _layer_stage_step(block_class(cfg)(cfg, L, opts.index_k).load(w),
                                              Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None,
                                              hasher, opts)
-                _release_file_handles(ck)  # the shards' mapped pages are not needed once decoded
+                ck.release_file_handles()  # the shards' mapped pages are not needed once decoded
                 stats.read_s += time.perf_counter() - t
                 next_prefixes = (["head", "norm.weight"] + ([f"hc_head_{k}" for k in ("fn", "base", "scale")] if cfg.is_v4 else [])
                                  if stage + 1 == n_stages else [f"layers.{stage}"])
@@ -242,7 +242,7 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
                 reader = writer.reader()
                 del writer
                 stats.io_s += time.perf_counter() - t
-                _release_file_handles(ck)
+                ck.release_file_handles()
                 if buffers.in_use():  # a reference cycle still holds this stage's weights: collect it
                     gc.collect()  # (a full collection costs 0.1-0.4 s with torch loaded, so only then)
                 buffers.reclaim()  # the stage's arrays nothing references any more serve the next stage
@@ -404,7 +404,7 @@ def _head_stage(ck, panel: EncodedPanel, reader: StageReader, opts: RunOptions, 
     stats.head_s = time.perf_counter() - t
     del head, w
     loaded.update(ck.loaded_digests())
-    _release_file_handles(ck)
+    ck.release_file_handles()
     stats.ties = {"total": ties.total, "counts": dict(sorted(ties.counts.items()))}
     return Record.from_sequences(_provenance(ck, panel, opts, loaded, stats.ties), scores, k=opts.top_k)
 
@@ -456,15 +456,6 @@ def checkpoint_identity(ck: Checkpoint) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # Weights, one stage at a time
-
-
-def _release_file_handles(ck: Checkpoint) -> None:
-    # The loader keeps a safe_open (an mmap of the whole shard) per file it has read; mapped pages count
-    # toward RSS, so after a stage we drop them. Checkpoint offers no public way to do so, hence its private
-    # folders here.
-    for folder in (getattr(ck, "_official", None), getattr(ck, "_pack", None)):
-        if folder is not None and hasattr(folder, "_handles"):
-            folder._handles.clear()
 
 
 class _EngramRows:

@@ -1,5 +1,5 @@
 """A small DeepSeek-V4 config and random fp32 weights for it, keyed by the V4 checkpoint names
-(checkpoint.expected_inventory_v4), for the module and model tests of the V4 mode.
+(inventory.inventory_v4), for the module and model tests of the V4 mode.
 
 Scales are trained-like rather than tiny-random (dsv4-engine.md §4: tiny random weights make mHC's comb
 uniform and hide bugs): linears gain ~1 (std fan_in^-1/2), norm weights 1 ± 20 %, mHC fn/base/scale so that
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from oracle.dsv41.checkpoint import expected_inventory_v4
+from oracle.dsv41.inventory import inventory_v4
 from oracle.dsv41.config import ModelConfig
 
 
@@ -35,7 +35,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 def random_weights_v4(cfg: ModelConfig, seed: int = 0, with_mtp: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    inv = expected_inventory_v4(cfg)
+    inv = inventory_v4(cfg)
     w: dict[str, torch.Tensor] = {}
 
     def randn(*shape, std=1.0):

@@ -17,7 +17,7 @@ import torch
 from core.records import Record
 from oracle.dsv41.checkpoint import Checkpoint
 from oracle.dsv41.runner import KILL_ENV, MANIFEST, RunnerError, RunOptions, forward_in_memory, run_panel, run_to_file
-from oracle.dsv41.shards import MergeError, merge_records, select_shard
+from oracle.dsv41.panel_shards import MergeError, merge_records, select_shard
 from oracle.dsv41.spill import SpillError, StageReader, StageWriter
 from oracle.dsv41.tiny import write_tiny_checkpoint
 from panels import PanelError, encoded_from_json
@@ -303,16 +303,16 @@ def test_peak_memory_is_one_layer_plus_activations(tmp_path):
 
 def test_every_weight_is_read_once_per_panel(tiny, panel_json, tmp_path, monkeypatch):
     """Five sequences, one read of each backbone tensor (the MTP stages are never read: scoring needs no drafts)."""
-    from oracle.dsv41 import checkpoint as C
+    from oracle.dsv41.shard_io import ShardFolder
 
     reads: dict[str, int] = {}
-    real = C._Folder.read
+    real = ShardFolder.read
 
     def counting(self, info, rows=None):
         reads[info.name] = reads.get(info.name, 0) + 1
         return real(self, info, rows)
 
-    monkeypatch.setattr(C._Folder, "read", counting)
+    monkeypatch.setattr(ShardFolder, "read", counting)
     run_panel(Checkpoint(tiny), encoded_from_json(panel_json), tmp_path / "w", _opts())
     stored = {n for n in Checkpoint(tiny)._official.infos if not n.startswith("mtp.")}
     assert set(reads) == stored

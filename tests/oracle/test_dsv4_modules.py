@@ -11,7 +11,7 @@ import scipy.linalg
 import torch
 
 from oracle.dsv41.attention_v4 import compressed_indices_v4, head_rmsnorm, window_indices_v4
-from oracle.dsv41.checkpoint import expected_inventory_v4
+from oracle.dsv41.inventory import inventory_v4
 from oracle.dsv41.compressor_v4 import CompressorV4, qdq8_nope, rotate_activation
 from oracle.dsv41.config import ConfigError, ModelConfig
 from oracle.dsv41.head import HyperHead
@@ -237,7 +237,7 @@ def test_release_size_inventory_has_the_v4_flash_shapes():
                                        o_groups=8, o_lora_rank=1024, num_attention_heads=64, index_n_heads=64,
                                        n_routed_experts=256, moe_intermediate_size=2048, num_hash_layers=3,
                                        num_nextn_predict_layers=1, compress_ratios=ratios, vocab_size=129280))
-    inv = expected_inventory_v4(cfg)
+    inv = inventory_v4(cfg)
     lin, ten = inv.linears, inv.tensors
     assert (lin["layers.2.attn.indexer.compressor.wkv"].out, lin["layers.2.attn.indexer.compressor.wkv"].in_) == (256, 4096)
     assert ten["layers.2.attn.indexer.compressor.ape"].shape == (4, 256)
