@@ -190,23 +190,23 @@ class GateResults:
 
     @classmethod
     def from_json(cls, text: str, where: str = FILE_NAME) -> GateResults:
+        refused = f"{where}: not a {FORMAT_VERSION} results file"
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ResultsError(f"{where}: not JSON ({exc})") from None
+            raise ResultsError(f"{refused}: not JSON ({exc})") from None
         if not isinstance(data, dict):
-            raise ResultsError(f"{where}: a results file is a JSON object, found a JSON {type(data).__name__}")
+            raise ResultsError(f"{refused}: found a JSON {type(data).__name__}, not an object")
         if "format" not in data:
-            raise ResultsError(f"{where}: no format tag (found top-level keys {sorted(data)[:8]}): written before "
-                               f"results were typed, or by another tool; this harness reads {FORMAT_VERSION!r} "
-                               "(rerun the gates to get one)")
+            raise ResultsError(f"{refused}: no format tag (found top-level keys {sorted(data)[:8]}), so written "
+                               "before results were typed or by another tool (rerun the gates to get one)")
         if data["format"] != FORMAT_VERSION:
             raise ResultsError(f"{where}: results format {data['format']!r:.60}, this harness reads "
                                f"{FORMAT_VERSION!r}")
         try:
             return _ADAPTER.validate_json(text, strict=True)
         except pydantic.ValidationError as exc:
-            raise ResultsError(f"{where}: not {FORMAT_VERSION} results: {_problems(exc)}") from None
+            raise ResultsError(f"{refused}: {_problems(exc)}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> GateResults:

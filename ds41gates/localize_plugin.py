@@ -1,7 +1,7 @@
 """`pytest -m gate --localize-on-fail`: when the KL panel gate fails, localize its worst prompt (the sequence with
 the largest mean KL_part) with the divergence localizer (ds41gates/localize.py) and put the verdict, the per-layer
 table and the plot into the session's report (results folder: ``localize/localize.json``, ``localize.png``,
-``localize.md``; results.json key ``localize``; a report section and figure).
+``localize.md``; results.json gate entry ``localize``; a report section and figure).
 
 The localizer runs the profile's vLLM in process, so it needs ``--engine-profile`` (the launched engine, or the
 profile of the one ``--engine-url`` points at) with the session's ``--engine-flag`` flags; ``DS41_PERTURB_*``
@@ -13,8 +13,12 @@ ds41gates.pytest_plugin.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+
+from core.results import GateEntry
+from ds41gates.pytest_plugin import session_of
 
 GATE = "test_kl_panel_per_domain"
 TITLE = "Divergence localizer: worst prompt of the KL panel gate"
@@ -33,13 +37,14 @@ def pytest_runtest_makereport(item: pytest.Item, call):
     report = outcome.get_result()
     if (report.when == "call" and report.failed and getattr(item, "originalname", item.name) == GATE
             and item.config.getoption("--localize-on-fail")):
-        run = getattr(item.config, "_ds41_gate_run", None)
+        run = session_of(item.config).started_run
         if run is not None:
             localize_failed_gate(item.config, run)
 
 
-def localize_failed_gate(config: pytest.Config, run, runner=None) -> dict | None:
-    """Localize the worst prompt of ``run``'s engine record; returns what went into results.json."""
+def localize_failed_gate(config: pytest.Config, run, runner=None) -> GateEntry | None:
+    """Localize the worst prompt of ``run``'s engine record (a `ds41gates.pytest_plugin.GateRun`); returns the
+    entry that went into results.json. Its ``passed`` is None: the localizer explains a verdict, it is not one."""
     from ds41gates.localize import run_localize, worst_prompt, write_outputs
     from engine.endpoint import DEFAULT_PROFILE
     from engine.localize import PERTURB_ENV
@@ -49,7 +54,7 @@ def localize_failed_gate(config: pytest.Config, run, runner=None) -> dict | None
     runner = runner or run_localize
     if run.reference is None or not run.engines:
         return None
-    label, engine_rec = run.engines[-1]
+    _, engine_rec = run.engines[-1]
     profile = config.getoption("--engine-profile")
     if config.getoption("--engine-url") and not profile:
         run.add_section(TITLE, [], "not localized: --engine-url without --engine-profile (the localizer runs the "
@@ -68,18 +73,16 @@ def localize_failed_gate(config: pytest.Config, run, runner=None) -> dict | None
                      flags=tuple(dict.fromkeys(config.getoption("--engine-flag"))), engine_env=env)["run"]
     except Exception as exc:  # noqa: BLE001 - the gate already failed; the report says why there is no localization
         run.add_section(TITLE, [], f"localizer failed on {seq_id}: {type(exc).__name__}: {str(exc)[:600]}")
-        run.add("localize", {"seq_id": seq_id, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+        run.add(GateEntry("localize", None, failures=[f"{type(exc).__name__}: {str(exc)[:600]}"],
+                          evidence={"seq_id": seq_id}))
         return None
     paths = write_outputs(rec, out)
-    import shutil
-
     shutil.rmtree(out / "work" / "captures", ignore_errors=True)   # the raw rows: the record holds the distances
     sec = section(rec, label=f"{seq_id} (mean KL_part {kl:.3g})")
     run.add_section(TITLE, sec["rows"], sec["note"])
-    plots = dict(getattr(run, "report_plots", None) or {})
-    plots[f"Divergence localizer: {seq_id} (distance and floor per layer)"] = plot_b64(rec)
-    run.report_plots = plots
-    data = {"seq_id": seq_id, "kl_part_mean": kl, "record": str(paths["json"]), "plot": str(paths["plot"]),
-            "verdict": rec.to_dict()["verdict"]}
-    run.add("localize", data)
-    return data
+    run.plots[f"Divergence localizer: {seq_id} (distance and floor per layer)"] = plot_b64(rec)
+    entry = GateEntry("localize", None, profile=profile, metrics={"kl_part_mean": kl},
+                      evidence={"seq_id": seq_id, "record": str(paths["json"]), "plot": str(paths["plot"]),
+                                "verdict": rec.to_dict()["verdict"]})
+    run.add(entry)
+    return entry

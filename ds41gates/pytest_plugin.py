@@ -1,8 +1,40 @@
-"""The ds41-gates pytest plugin: markers, command-line options and the fixtures gates use as seams."""
+"""The ds41-gates pytest plugin: markers, command-line options, one session object, and the fixtures gates use as seams.
+
+Shaped like pytest-benchmark: `pytest_addoption` declares every option once; `pytest_configure` checks them (a bad
+flag, profile or results folder is a usage error before any engine starts), makes the one `GateSession`, keeps it
+in ``config.stash[SESSION]`` and registers it as a plugin, so its hooks (outcomes, timings, the report, the
+terminal summary) are methods of the object that holds the state. Fixtures are thin: they read the session.
+
+The gates write `GateRun`: what they measured (the reference, engine records, panel verdicts) and the typed
+`core.results.GateResults` (format `ds41-results/1`), rewritten to results.json after every gate so a run killed
+later keeps what it measured. Heavy floors (the engine, the oracle, the pipeline) are imported inside the fixtures
+that use them: this plugin is loaded by every pytest run of the project, most of which never start an engine.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from core.errors import UserError, one_line
+from core.redact import redact, register_url_credentials
+from core.results import (
+    FILE_NAME,
+    FlagGateVerdict,
+    GateEntry,
+    GateOutcome,
+    GateResults,
+    GateTimings,
+    ReportSection,
+)
 
 MARKERS = {
     "gate": "the gate suite (pytest -m gate)",
@@ -13,7 +45,10 @@ MARKERS = {
             "CI deselects them (scripts/test.sh) to stay inside its time budget",
     "gpu": "needs a CUDA device",
     "reference": "runs DeepSeek's reference code (DS41_REFERENCE_CODE=/path to a local copy); kept out of CI",
+    "flag_ab": "per-flag A/B gates (gates/test_flag_ab.py); deselected unless --flag is given",
 }
+
+OUTCOMES_TITLE = "Gate outcomes"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,13 +67,277 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="--results names an earlier run's results folder: clear it first")
     group.addoption("--eval-baseline", default=None,
                     help="results folder of a known-good task-eval run (gates/test_task_evals.py pairs against it)")
+    ab = parser.getgroup("ds41-gates flag A/B")
+    ab.addoption("--flag-registry", action="append", default=[],
+                 help="extra flag registry TOML merged over nightly/flags.toml (repeatable; also "
+                      "$DS41_FLAG_REGISTRY, os.pathsep-separated)")
+    ab.addoption("--ab-greedy-tokens", type=int, default=64, help="greedy tokens per prompt in the A/B")
+    ab.addoption("--ab-prompts-per-domain", type=int, default=1, help="greedy A/B prompts per panel domain")
+    ab.addoption("--ab-speed-rounds", type=int, default=3, help="alternating off/on rounds of the perf compare")
+    ab.addoption("--per-prompt-metrics", action="store_true", default=False,
+                 help="write per_prompt.json (per-prompt mean KL_part of every engine record) to --results")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     _gate_suite_by_default(config)
+    _check_requested_flags(config)
+    _check_engine_profile(config)
+    _check_engine_flags(config)
+    session = GateSession(config, GateOptions.of(config), claimed_dir=_claim_results(config))
+    config.stash[SESSION] = session
+    config.pluginmanager.register(session, "ds41-gates-session")
 
+
+def session_of(config: pytest.Config) -> GateSession:
+    return config.stash[SESSION]
+
+
+# ------------------------------------------------------------------------------------------------ what gates write
+
+@dataclasses.dataclass
+class GateRun:
+    """What this session's gates measured. ``results`` is the typed results.json, rewritten after every change
+    (crash-safe); the records, verdict objects and plots stay in memory for the session report."""
+
+    out_dir: Path
+    results: GateResults = dataclasses.field(default_factory=GateResults)
+    engines: list = dataclasses.field(default_factory=list)        # (label, Record)
+    reference: Any = None
+    panel_gates: list = dataclasses.field(default_factory=list)    # core.verdicts.PanelGateResult
+    plots: dict[str, str] = dataclasses.field(default_factory=dict)  # report figures (the localizer's)
+
+    def _save(self, results: GateResults) -> None:
+        self.results = results
+        results.save(self.out_dir / FILE_NAME)
+
+    def add(self, entry: GateEntry) -> None:
+        self._save(self.results.with_gate(entry))
+
+    def add_flag_verdict(self, flag: str, cls: str, kind: str, profile: str, verdict: FlagGateVerdict) -> None:
+        self._save(self.results.with_flag_verdict(flag, cls, kind, profile, verdict))
+
+    def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
+        self._save(self.results.with_section(ReportSection(title, rows, note)))
+
+    def mark(self, outcome: GateOutcome) -> None:
+        """One gate's outcome (passed / failed / error / ...), in results.json the moment it is known."""
+        self._save(self.results.with_outcome(outcome))
+
+    def set_timings(self, timings: GateTimings) -> None:
+        self._save(self.results.with_timings(timings))
+
+    @property
+    def report_sections(self) -> dict[str, dict]:
+        """The sections as the report renders them (title → rows and note)."""
+        return {s.title: {"rows": list(s.rows), "note": s.note} for s in self.results.sections}
+
+
+# ------------------------------------------------------------------------------------------------ the session
+
+@dataclasses.dataclass(frozen=True)
+class GateOptions:
+    """The options the plugin's fixtures read, parsed once."""
+
+    engine_url: str | None
+    engine_profile: str | None
+    reference: str | None
+    panel: str | None
+    engine_flags: tuple[str, ...]
+    per_prompt_metrics: bool
+
+    @classmethod
+    def of(cls, config: pytest.Config) -> GateOptions:
+        return cls(engine_url=config.getoption("--engine-url"), engine_profile=config.getoption("--engine-profile"),
+                   reference=config.getoption("--reference"), panel=config.getoption("--panel"),
+                   engine_flags=tuple(dict.fromkeys(config.getoption("--engine-flag"))),
+                   per_prompt_metrics=config.getoption("--per-prompt-metrics"))
+
+
+class GateSession:
+    """One per pytest session: the options, the results folder and its GateRun (made on first use, so a project
+    test run that never touches a gate leaves no results folder), the report's paths, and the hooks that fill them."""
+
+    def __init__(self, config: pytest.Config, options: GateOptions, claimed_dir: Path | None = None):
+        self.config = config
+        self.options = options
+        self._claimed_dir = claimed_dir
+        self._run: GateRun | None = None
+        self.report_paths = None                 # reports.render's paths once the session report is written
+        self.skipped_required: list[str] = []    # engine/gate tests skipped while DS41_REQUIRE_ENGINES=1
+        self.default_reference_announced = False
+        self.durations: dict[str, float] = {}    # gate nodeid → setup + call + teardown seconds
+        self.echo: Callable[..., None] = _print_echo   # the terminal reporter's, once the session starts
+
+    @property
+    def run(self) -> GateRun:
+        if self._run is None:
+            from ds41gates.pipeline import results_dir
+
+            self._run = GateRun(out_dir=self._claimed_dir or results_dir(None))
+        return self._run
+
+    @property
+    def started_run(self) -> GateRun | None:
+        """The GateRun when a gate has used it (else None: nothing to report)."""
+        return self._run
+
+    def warn(self, message: str) -> None:
+        """Loud even under -q: straight to the terminal (a warnings-summary entry is easy to miss)."""
+        self.echo(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
+
+    def launcher_echo(self, line: str) -> None:
+        """The launcher's progress on the terminal even under -q and output capture (an engine start takes minutes)."""
+        self.echo(f"[engine.launcher] {line}")
+
+    # -------------------------------------------------------------------------------------------- hooks
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        tr = self.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            def echo(line: str, **markup: bool) -> None:
+                with _uncaptured(self.config):
+                    tr.ensure_newline()
+                    tr.write_line(line, **markup)
+
+            self.echo = echo
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):
+        outcome = yield
+        report = outcome.get_result()
+        _redact_report(report)
+        if item.get_closest_marker("gate"):
+            self.durations[item.nodeid] = self.durations.get(item.nodeid, 0.0) + report.duration
+            self._note_gate_outcome(item, call, report)
+        expected_failure = hasattr(report, "wasxfail")  # a documented known issue, not a skip
+        if report.skipped and not expected_failure and _requires_engines() and (
+                item.get_closest_marker("engine") or item.get_closest_marker("gate")):
+            why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+            self.skipped_required.append(f"{item.nodeid}: {why}")
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self._run is not None and self.durations:
+            per_file: dict[str, float] = {}
+            for nodeid, d in self.durations.items():
+                f = nodeid.split("::")[0]
+                per_file[f] = per_file.get(f, 0.0) + d
+            self._run.set_timings(GateTimings({k: round(v, 2) for k, v in self.durations.items()},
+                                              {k: round(v, 2) for k, v in per_file.items()}))
+        if self.skipped_required and session.exitstatus == 0:
+            session.exitstatus = 1
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+        run = self._run
+        if run is not None:
+            try:
+                self.write_report()
+            except Exception as exc:  # noqa: BLE001 - the summary still names results.json and the errored gates
+                terminalreporter.write_line(f"ds41-gates: report could not be written: {exc!r}")
+            terminalreporter.section("ds41-gates")
+            terminalreporter.write_line(f"results: {run.out_dir / FILE_NAME}")
+            if self.report_paths is not None:
+                terminalreporter.write_line(f"report:  {self.report_paths.html}")
+            else:
+                terminalreporter.write_line("report:  not written (no engine record: the engine never scored the panel)")
+            for o in run.results.errored():
+                terminalreporter.write_line(f"ERRORED gate (neither passed nor failed): {o.nodeid}")
+        if self.skipped_required:
+            terminalreporter.section("ds41-gates: engine/gate tests skipped while DS41_REQUIRE_ENGINES=1 (run fails)")
+            for line in self.skipped_required:
+                terminalreporter.write_line(line)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        run = self._run
+        if run is None or run.reference is None or not run.engines or not self.options.per_prompt_metrics:
+            return
+        from core.atomic import write_json_atomic
+        from nightly.runner import per_prompt_metrics
+
+        write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
+
+    # -------------------------------------------------------------------------------------------- outcomes, report
+    def _note_gate_outcome(self, item: pytest.Item, call, report) -> None:
+        """A gate whose test or fixture raised anything but an assertion *errored* (the engine died, hung, answered
+        malformed bytes): it neither passed nor failed. Its outcome goes to results.json the moment it is known."""
+        if report.when == "setup" and report.passed:
+            return
+        run = self.run   # a gate that errored before any gate wrote a result still gets a results.json
+        prev = run.results.outcome(item.nodeid)
+        if report.when == "teardown" and (report.passed or (prev and prev.outcome != "passed")):
+            return   # a clean teardown, or one after a failure/error already recorded, changes nothing
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed"      # expected: the gate says why it cannot apply here (its detail)
+        elif report.skipped:
+            outcome = "skipped"
+        elif report.passed:
+            outcome = "passed"
+        elif report.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(
+                (AssertionError, pytest.fail.Exception)):
+            outcome = "failed"
+        else:
+            outcome = "error"
+        detail = None
+        if outcome != "passed" and call.excinfo is not None:
+            detail = f"{call.excinfo.typename}: {str(call.excinfo.value)[:800]}"
+        run.mark(GateOutcome(item.nodeid, item.name, outcome, report.when, detail))
+
+    def write_report(self) -> None:
+        run = self._run
+        if run is None or run.reference is None or not run.engines:
+            return
+        from ds41gates.pipeline import write_report
+
+        sections = run.report_sections
+        if run.results.outcomes:
+            sections[OUTCOMES_TITLE] = _outcomes_section(run.results)
+        self.report_paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
+                                         plots=run.plots, errored=[o.gate for o in run.results.errored()])
+
+
+SESSION = pytest.StashKey[GateSession]()
+
+
+def _outcomes_section(results: GateResults) -> dict:
+    errored = results.errored()
+    note = (f"{len(errored)} gate(s) ERRORED: they neither passed nor failed, so this run is not a pass. "
+            if errored else "") + "error = the gate or its fixtures raised (engine died, hung, malformed answer)."
+    rows = [{"gate": o.gate, "outcome": o.outcome.upper() if o.outcome == "error" else o.outcome,
+             "phase": o.phase, "detail": o.detail or ""} for o in results.outcomes]
+    return {"rows": rows, "note": note}
+
+
+def _redact_report(report) -> None:
+    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key), and its
+    captured stdout/stderr/log (printed by -rA and on failure, kept in junit with junit_logging) what the gate
+    printed: the text goes through the one redaction; left as it was when it holds no secret."""
+    report.sections = [(title, redact(content)) for title, content in report.sections]
+    if report.longrepr is None:
+        return
+    text = str(report.longrepr)
+    clean = redact(text)
+    if clean != text:
+        report.longrepr = clean
+
+
+def _print_echo(line: str, **markup: bool) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _requires_engines() -> bool:
+    """With DS41_REQUIRE_ENGINES=1 (scripts/test.sh, hence CI) a skipped `engine` or `gate` test fails the run: the
+    end-to-end tests against the real engines must never quietly drop out."""
+    return os.environ.get("DS41_REQUIRE_ENGINES") == "1"
+
+
+def _uncaptured(config: pytest.Config):
+    """Output capture off for a moment: fixtures run captured, and the terminal reporter's stream is fd 1."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------ configure checks
 
 def _gate_suite_by_default(config: pytest.Config) -> None:
     """`pytest -m gate` with no paths gates the embedded default (README): testpaths names only the project's own
@@ -47,485 +346,19 @@ def _gate_suite_by_default(config: pytest.Config) -> None:
         config.args = [str(config.rootpath / "gates")]
 
 
-# --------------------------------------------------------------------------- no silent skips in CI
-# With DS41_REQUIRE_ENGINES=1 (scripts/test.sh, hence CI) a skipped `engine` or `gate` test fails
-# the run: the end-to-end tests against the real engines must never quietly drop out.
-
-_skipped_required: list[str] = []
-
-
-def _requires_engines() -> bool:
-    import os
-
-    return os.environ.get("DS41_REQUIRE_ENGINES") == "1"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call):
-    outcome = yield
-    report = outcome.get_result()
-    _redact_report(report)
-    if item.get_closest_marker("gate"):
-        _note_gate_outcome(item, call, report)
-    expected_failure = hasattr(report, "wasxfail")  # a documented known issue, not a skip
-    if report.skipped and not expected_failure and _requires_engines() and (
-            item.get_closest_marker("engine") or item.get_closest_marker("gate")):
-        _skipped_required.append(f"{item.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
-
-
-def _redact_report(report) -> None:
-    """A failing gate's traceback shows frame arguments (an engine URL with user:password@, an echoed key), and its
-    captured stdout/stderr/log (printed by -rA and on failure, kept in junit with junit_logging) what the gate
-    printed: the text goes through the one redaction; left as it was when it holds no secret."""
-    from core.redact import redact
-
-    report.sections = [(title, redact(content)) for title, content in report.sections]
-    if report.longrepr is None:
-        return
-
-    text = str(report.longrepr)
-    clean = redact(text)
-    if clean != text:
-        report.longrepr = clean
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _skipped_required and session.exitstatus == 0:
-        session.exitstatus = 1
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    run = getattr(config, "_ds41_gate_run", None)
-    if run is not None:
-        try:
-            _write_session_report(config)
-        except Exception as exc:
-            terminalreporter.write_line(f"ds41-gates: report could not be written: {exc!r}")
-        paths = getattr(config, "_ds41_report", None)
-        terminalreporter.section("ds41-gates")
-        terminalreporter.write_line(f"results: {run.out_dir / 'results.json'}")
-        if paths is not None:
-            terminalreporter.write_line(f"report:  {paths.html}")
-        else:
-            terminalreporter.write_line("report:  not written (no engine record: the engine never scored the panel)")
-        for nodeid in run.errored():
-            terminalreporter.write_line(f"ERRORED gate (neither passed nor failed): {nodeid}")
-    if _skipped_required:
-        terminalreporter.section("ds41-gates: engine/gate tests skipped while DS41_REQUIRE_ENGINES=1 (run fails)")
-        for line in _skipped_required:
-            terminalreporter.write_line(line)
-
-
-# --------------------------------------------------------------------------- fixtures: the seams
-# panel reference → encoded panel (always the reference's own ids) → engine endpoint → engine record.
-# `--engine-url URL --reference FILE` gates a running engine; with neither, the embedded default
-# (SmolLM2 on the vllm-cpu-fp32 profile, reference built and cached) is launched here.
-
-import dataclasses
-from pathlib import Path
-from typing import Any
-
-from core.errors import UserError
-
-
-@dataclasses.dataclass
-class GateRun:
-    """What this session's gates measured; results.json is rewritten after every gate (crash-safe)."""
-
-    out_dir: Path
-    results: dict[str, Any] = dataclasses.field(default_factory=dict)
-    engines: list = dataclasses.field(default_factory=list)   # (label, Record)
-    reference: Any = None
-    panel_gates: list = dataclasses.field(default_factory=list)  # core.verdicts.PanelGateResult
-    report_sections: dict[str, dict] = dataclasses.field(default_factory=dict)
-    outcomes: dict[str, dict] = dataclasses.field(default_factory=dict)   # nodeid -> outcome (see mark)
-
-    def add(self, gate: str, data: dict) -> None:
-        from core.atomic import write_json_atomic
-        from core.redact import redact_data
-
-        self.results[gate] = data
-        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
-
-    def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
-        self.report_sections[title] = {"rows": rows, "note": note}
-
-    def mark(self, nodeid: str, outcome: dict) -> None:
-        """Record one gate's outcome (passed / failed / error / skipped) in results.json at once."""
-        from core.atomic import write_json_atomic
-        from core.redact import redact_data
-
-        self.outcomes[nodeid] = outcome
-        self.results[OUTCOMES_KEY] = dict(self.outcomes)
-        write_json_atomic(self.out_dir / "results.json", redact_data(self.results))
-
-    def errored(self) -> list[str]:
-        return [n for n, o in self.outcomes.items() if o["outcome"] == "error"]
-
-
-def _opt(config: pytest.Config, name: str):
-    return config.getoption(name)
-
-
-@pytest.fixture(scope="session")
-def gate_run(request: pytest.FixtureRequest) -> GateRun:
-    return _gate_run_of(request.config)
-
-
-def _gate_run_of(config: pytest.Config) -> GateRun:
-    """This session's GateRun (one per session: results.json is rewritten after every gate within it); its
-    folder is claimed once, on first use (--results: new or empty, or cleared with --replace-results)."""
-    from ds41gates.pipeline import results_dir
-
-    run = getattr(config, "_ds41_gate_run", None)
-    if run is None:
-        out = getattr(config, "_ds41_results_dir", None) or results_dir(None)
-        run = config._ds41_gate_run = GateRun(out_dir=out)
-    return run
-
-
-def _claim_results(config: pytest.Config) -> None:
+def _claim_results(config: pytest.Config) -> Path | None:
     """--results is claimed at configure time, before any gate or engine runs: a folder holding another run is
     a usage error (unless --replace-results, which clears it now), so this run's results.json never lies
     beside an earlier run's report. Without --results the fresh results/<timestamp> is made on first use."""
+    given = config.getoption("--results")
+    if not given:
+        return None
     from ds41gates.pipeline import results_dir
 
-    given = config.getoption("--results")
-    if given:
-        try:
-            config._ds41_results_dir = results_dir(given, replace=config.getoption("--replace-results"))
-        except UserError as exc:
-            raise pytest.UsageError(str(exc)) from None
-
-
-@pytest.fixture(scope="session")
-def gate_results(gate_run: GateRun) -> GateRun:
-    return gate_run
-
-
-@pytest.fixture(scope="session")
-def gate_tokenizer(request: pytest.FixtureRequest):
-    """The served model's tokenizer and chat format — the profile's own model (the DeepSeek tokenizer and chat
-    encoding for vllm-cpu-dsv4), else SmolLM2's: the ids the engine-behaviour gates send."""
-    from ds41gates.pipeline import served_model
-    from engine.models import default_model_dir
-    from panels import load_tokenizer
-
-    sm = served_model(_opt(request.config, "--engine-profile"))
-    return load_tokenizer(sm.tokenizer) if sm is not None else load_tokenizer(default_model_dir())
-
-
-@pytest.fixture(scope="session")
-def panel_reference(request: pytest.FixtureRequest, gate_run: GateRun):
-    """The oracle reference record: --reference FILE, or the default panel on the default model."""
-    from ds41gates import pipeline
-    from core.records import Record
-
-    path = _opt(request.config, "--reference")
-    if path:
-        try:
-            ref = Record.load(path)
-        except UserError as exc:
-            _stop_for_user_error(f"--reference {path}: {exc}")
-        if ref.provenance.side != "oracle":
-            _stop_for_user_error(f"--reference {path}: is an {ref.provenance.side} record; the reference must be "
-                                 "an oracle record (ds41gate oracle run, or the cached fp32 reference)")
-    else:
-        url = _opt(request.config, "--engine-url")
-        profile = _opt(request.config, "--engine-profile")
-        if url and pipeline.served_model(profile) is None:
-            _require_default_model(request.config, url)   # before minutes of building a reference
-        # the profile's own model and panel (the tiny DeepSeek-V4 on vllm-cpu-dsv4), else the embedded default
-        encoded, model_dir, oracle = pipeline.encode_profile_panel(profile, _opt(request.config, "--panel"))
-        ref, _ = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
-    gate_run.reference = ref
-    return ref
-
-
-@pytest.fixture(scope="session")
-def encoded_panel(panel_reference):
-    from panels import encoded_from_record
-
-    return encoded_from_record(panel_reference)
-
-
-def _stop_for_user_error(message: str):
-    """A bad option or input file: one line and exit code 2 before any gate runs, never a traceback per gate."""
-    from core.errors import one_line
-    from core.redact import redact
-
-    pytest.exit(f"error: {redact(one_line(message))}", returncode=2)
-
-
-def _warn(config: pytest.Config, message: str) -> None:
-    """Loud even under -q: straight to the terminal (a warnings-summary entry is easy to miss)."""
-    import sys
-
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        with _uncaptured(config):
-            tr.ensure_newline()
-            tr.write_line(f"ds41-gates WARNING: {message}", yellow=True, bold=True)
-    else:
-        print(f"ds41-gates WARNING: {message}", file=sys.stderr, flush=True)
-
-
-def _uncaptured(config: pytest.Config):
-    """Output capture off for a moment: fixtures run captured, and the terminal reporter's stream is fd 1."""
-    import contextlib
-
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    return capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext()
-
-
-def _served_models(url: str, root: str, key: str | None) -> list[str]:
-    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL. Asked
-    through the engine client, so this first request has the gates' guards too: no redirect to another origin,
-    a capped uncompressed body, a total deadline."""
-    from engine.client import MAX_MODEL_NAME, ClientConfig, EngineClient, RetryPolicy
-    from engine.errors import EngineError, EngineRequestRejected, EngineTransportError
-
-    client = EngineClient(ClientConfig(root, "", api_key=key or "unused", timeout_s=30,
-                                       retry=RetryPolicy(max_attempts=1), max_body_bytes=4 << 20))
     try:
-        resp = client.get("/v1/models")
-    except (EngineRequestRejected, EngineTransportError) as exc:
-        if exc.status is None:
-            _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models ({exc})")
-        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if exc.status in (401, 403) else ""
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {exc.status}{hint}")
-    except EngineError as exc:
-        _stop_for_user_error(f"--engine-url {url}: {exc}")
-    finally:
-        client.close()
-    try:
-        listing = resp.json()
-    except ValueError:
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
-                             f"{resp.headers.get('content-type', '?')!r}); is this an OpenAI-compatible server?")
-    data = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
-                             '({"data": [{"id": ...}, ...]})')
-    if not data:
-        _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
-    if any(len(m["id"]) > MAX_MODEL_NAME for m in data):
-        _stop_for_user_error(f"--engine-url {url}: /v1/models lists a model name over {MAX_MODEL_NAME} characters")
-    return [m["id"] for m in data]
-
-
-_terminal_echo = None
-
-
-def _launcher_echo(line: str) -> None:
-    """The launcher's progress on the terminal even under -q and output capture (an engine start takes minutes)."""
-    import sys
-
-    if _terminal_echo is not None:
-        _terminal_echo(f"[engine.launcher] {line}")
-    else:
-        print(f"[engine.launcher] {line}", file=sys.stderr, flush=True)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    global _terminal_echo
-    config = session.config
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        def echo(line: str) -> None:
-            with _uncaptured(config):
-                tr.ensure_newline()
-                tr.write_line(line)
-
-        _terminal_echo = echo
-
-
-def _require_default_model(config: pytest.Config, url: str, models: list[str] | None = None) -> None:
-    """Without --reference the embedded SmolLM2 reference is used: say so, and refuse an engine serving
-    another model."""
-    import os
-
-    if not getattr(config, "_ds41_default_reference_announced", False):
-        config._ds41_default_reference_announced = True
-        _warn(config, "--engine-url without --reference: gating against the embedded SmolLM2 reference of the "
-                      "default panel with the loose [profiles.default] bands; pass --reference for your model "
-                      "(refused when the engine serves another model)")
-
-    from engine.endpoint import DEFAULT_PROFILE
-    from engine.launcher import load_profile
-
-    if models is None:
-        key = os.environ.get("DS41_ENGINE_API_KEY")
-        root = url.rstrip("/").removesuffix("/v1")
-        models = _served_models(url, root, key)
-    default_model = load_profile(DEFAULT_PROFILE).served_model
-    if default_model not in models:
-        _stop_for_user_error(
-            f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
-            "reference is used without --reference; pass --reference with the served model's oracle reference")
-
-
-def launch_endpoint(profile_name: str, flags=(), overrides=None):
-    """Start a server from a shipped profile: the embedded default model, or the profile's own
-    (ds41gates.pipeline.SERVED_MODELS)."""
-    from ds41gates import pipeline
-    from engine import endpoint
-
-    return endpoint.launch_endpoint(profile_name, pipeline.profile_model_dir(profile_name), flags=flags,
-                                    overrides=overrides, echo=_launcher_echo)
-
-
-@pytest.fixture(scope="session")
-def launch_engine():
-    """`launch_engine(profile, flags=(), overrides=None)` → (server, endpoint): for gates that need a second
-    server beside the one under test (speculation on, a flag flipped). The caller stops the server."""
-    return launch_endpoint
-
-
-@pytest.fixture(scope="session")
-def engine_endpoint(request: pytest.FixtureRequest):
-    """The engine under test: --engine-url (already running), else the --engine-profile launched here."""
-    from engine.endpoint import DEFAULT_PROFILE, EngineEndpoint
-
-    url = _opt(request.config, "--engine-url")
-    profile = _opt(request.config, "--engine-profile")
-    engine_flags = tuple(dict.fromkeys(request.config.getoption("--engine-flag")))
-    if url:
-        from core.redact import register_url_credentials
-
-        register_url_credentials(url)
-        root = url.rstrip("/").removesuffix("/v1")
-        import os
-
-        key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
-        models = _served_models(url, root, key)
-        from ds41gates.pipeline import served_model
-
-        if not _opt(request.config, "--reference") and served_model(profile) is None:
-            _require_default_model(request.config, url, models)
-        kind, label = "vllm", "default"
-        if profile:
-            from engine.launcher import load_profile
-
-            prof = load_profile(profile)   # a path (../x.toml) labels the record by the profile's checked name
-            kind, label = prof.engine or kind, prof.name
-        yield EngineEndpoint(root, models[0], label, engine=kind, flags=engine_flags)
-        return
-    server, endpoint = launch_endpoint(profile or DEFAULT_PROFILE, flags=engine_flags)
-    try:
-        yield endpoint
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def engine_client(engine_endpoint):
-    from engine.endpoint import client_for
-
-    client = client_for(engine_endpoint, max_concurrency=4)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="session")
-def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
-    """The engine's record of the panel positions, saved beside the results."""
-    from engine.endpoint import DEFAULT_ENGINE_K, score_engine
-
-    from core.paths import safe_name
-
-    label = safe_name(engine_endpoint.profile, "engine label")   # becomes a file name in the results folder
-    rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
-    rec.save(gate_run.out_dir / f"engine-{label}.safetensors")
-    gate_run.engines.append((engine_endpoint.profile, rec))
-    return rec
-
-
-def _write_session_report(config: pytest.Config) -> None:
-    run: GateRun | None = getattr(config, "_ds41_gate_run", None)
-    if run is None or run.reference is None or not run.engines:
-        return
-    from ds41gates.pipeline import write_report
-
-    sections = dict(run.report_sections)
-    if run.outcomes:
-        sections[OUTCOMES_TITLE] = _outcomes_section(run)
-    paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
-                         plots=getattr(run, "report_plots", None),   # the localizer's (ds41gates/localize_plugin.py)
-                         errored=[run.outcomes[n]["gate"] for n in run.errored()])
-    config._ds41_report = paths
-
-
-# --------------------------------------------------------------------------- gate outcomes
-# A gate whose test or fixture raised anything but an assertion *errored* (the engine died, hung, answered
-# malformed bytes): it neither passed nor failed. Each gate's outcome goes to results.json under
-# "gate_outcomes" the moment it is known (so a run killed later keeps it), and to a "Gate outcomes" section
-# of the session report; errored gates are named in the terminal summary too.
-
-OUTCOMES_KEY = "gate_outcomes"
-OUTCOMES_TITLE = "Gate outcomes"
-
-
-def _note_gate_outcome(item: pytest.Item, call, report) -> None:
-    if report.when == "setup" and report.passed:
-        return
-    run = _gate_run_of(item.config)   # a gate that errored before the GateRun existed still gets a results.json
-    prev = run.outcomes.get(item.nodeid)
-    if report.when == "teardown" and (report.passed or (prev and prev["outcome"] != "passed")):
-        return   # a clean teardown, or one after a failure/error already recorded, changes nothing
-    if hasattr(report, "wasxfail"):
-        outcome = "xfailed"      # expected: the gate says why it cannot apply here (its detail)
-    elif report.skipped:
-        outcome = "skipped"
-    elif report.passed:
-        outcome = "passed"
-    elif report.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(
-            (AssertionError, pytest.fail.Exception)):
-        outcome = "failed"
-    else:
-        outcome = "error"
-    detail = None
-    if outcome in ("error", "failed", "skipped", "xfailed") and call.excinfo is not None:
-        detail = f"{call.excinfo.typename}: {str(call.excinfo.value)[:800]}"
-    run.mark(item.nodeid, {"gate": item.name, "outcome": outcome, "phase": report.when, "detail": detail})
-
-
-def _outcomes_section(run: GateRun) -> dict:
-    errored = run.errored()
-    note = (f"{len(errored)} gate(s) ERRORED: they neither passed nor failed, so this run is not a pass. "
-            if errored else "") + "error = the gate or its fixtures raised (engine died, hung, malformed answer)."
-    rows = [{"gate": o["gate"], "outcome": o["outcome"].upper() if o["outcome"] == "error" else o["outcome"],
-             "phase": o["phase"], "detail": o["detail"] or ""} for o in run.outcomes.values()]
-    return {"rows": rows, "note": note}
-
-
-# ============================================================================ flag A/B + nightly
-# Options --flag-registry, --per-prompt-metrics, --ab-*; the `flag_registry` fixture; `flag_ab` items are
-# deselected when no --flag is given (so the gate suite without flags neither runs nor skips them);
-# per_prompt.json for the nightly's paired comparisons. The code behind them lives in the nightly package.
-
-MARKERS["flag_ab"] = "per-flag A/B gates (gates/test_flag_ab.py); deselected unless --flag is given"
-
-
-def _flag_ab_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("ds41-gates flag A/B")
-    group.addoption("--flag-registry", action="append", default=[],
-                    help="extra flag registry TOML merged over nightly/flags.toml (repeatable; also "
-                         "$DS41_FLAG_REGISTRY, os.pathsep-separated)")
-    group.addoption("--ab-greedy-tokens", type=int, default=64, help="greedy tokens per prompt in the A/B")
-    group.addoption("--ab-prompts-per-domain", type=int, default=1, help="greedy A/B prompts per panel domain")
-    group.addoption("--ab-speed-rounds", type=int, default=3, help="alternating off/on rounds of the perf compare")
-    group.addoption("--per-prompt-metrics", action="store_true", default=False,
-                    help="write per_prompt.json (per-prompt mean KL_part of every engine record) to --results")
-
-
-_plain_addoption = pytest_addoption
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:  # noqa: F811 - extends the options above
-    _plain_addoption(parser)
-    _flag_ab_addoption(parser)
+        return results_dir(given, replace=config.getoption("--replace-results"))
+    except UserError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _check_engine_profile(config: pytest.Config) -> None:
@@ -578,16 +411,7 @@ def _check_requested_flags(config: pytest.Config) -> None:
             f"(registries: {', '.join(registry.sources) or 'none'})")
 
 
-_plain_configure = pytest_configure
-
-
-def pytest_configure(config: pytest.Config) -> None:  # noqa: F811 - extends the configure above
-    _plain_configure(config)
-    _check_requested_flags(config)
-    _check_engine_profile(config)
-    _check_engine_flags(config)
-    _claim_results(config)
-
+# ------------------------------------------------------------------------------------------------ collection
 
 def _needed_by_no_flag(item: pytest.Item) -> bool:
     """An A/B gate that none of the requested flags' classes runs: pytest made it from an empty parameter set."""
@@ -595,6 +419,8 @@ def _needed_by_no_flag(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """`flag_ab` items are deselected when no --flag is given, so the gate suite without flags neither runs nor
+    skips them."""
     flags = config.getoption("--flag")
     keep, drop = [], []
     for item in items:
@@ -605,6 +431,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         items[:] = keep
 
 
+# ------------------------------------------------------------------------------------------------ fixtures: the seams
+# panel reference → encoded panel (always the reference's own ids) → engine endpoint → engine record.
+# `--engine-url URL --reference FILE` gates a running engine; with neither, the embedded default
+# (SmolLM2 on the vllm-cpu-fp32 profile, reference built and cached) is launched here.
+
+@pytest.fixture(scope="session")
+def gate_session(request: pytest.FixtureRequest) -> GateSession:
+    return session_of(request.config)
+
+
+@pytest.fixture(scope="session")
+def gate_results(gate_session: GateSession) -> GateRun:
+    """Where a gate writes its verdict (`gate_results.add(GateEntry(...))`) and report sections."""
+    return gate_session.run
+
+
+@pytest.fixture(scope="session")
+def gate_run(gate_session: GateSession) -> GateRun:
+    """The same GateRun as `gate_results`, for the pipeline's fixtures (reference, engine records)."""
+    return gate_session.run
+
+
 @pytest.fixture(scope="session")
 def flag_registry(request: pytest.FixtureRequest):
     from nightly.flags import load_registry
@@ -612,12 +460,177 @@ def flag_registry(request: pytest.FixtureRequest):
     return load_registry(request.config.getoption("--flag-registry"))
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    run = getattr(config, "_ds41_gate_run", None)
-    if run is None or run.reference is None or not run.engines or not config.getoption("--per-prompt-metrics"):
-        return
-    from core.atomic import write_json_atomic
-    from nightly.runner import per_prompt_metrics
+@pytest.fixture(scope="session")
+def gate_tokenizer(gate_session: GateSession):
+    """The served model's tokenizer and chat format — the profile's own model (the DeepSeek tokenizer and chat
+    encoding for vllm-cpu-dsv4), else SmolLM2's: the ids the engine-behaviour gates send."""
+    from ds41gates.pipeline import served_model
+    from engine.models import default_model_dir
+    from panels import load_tokenizer
 
-    write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
-# ============================================================================ end flag A/B + nightly
+    sm = served_model(gate_session.options.engine_profile)
+    return load_tokenizer(sm.tokenizer) if sm is not None else load_tokenizer(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def panel_reference(gate_session: GateSession):
+    """The oracle reference record: --reference FILE, or the profile's own panel on its own model."""
+    from core.records import Record
+    from ds41gates import pipeline
+
+    opts = gate_session.options
+    if opts.reference:
+        try:
+            ref = Record.load(opts.reference)
+        except UserError as exc:
+            _stop_for_user_error(f"--reference {opts.reference}: {exc}")
+        if ref.provenance.side != "oracle":
+            _stop_for_user_error(f"--reference {opts.reference}: is an {ref.provenance.side} record; the reference "
+                                 "must be an oracle record (ds41gate oracle run, or the cached fp32 reference)")
+    else:
+        if opts.engine_url and pipeline.served_model(opts.engine_profile) is None:
+            _require_default_model(gate_session, opts.engine_url)   # before minutes of building a reference
+        # the profile's own model and panel (the tiny DeepSeek-V4 on vllm-cpu-dsv4), else the embedded default
+        encoded, model_dir, oracle = pipeline.encode_profile_panel(opts.engine_profile, opts.panel)
+        ref, _ = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
+    gate_session.run.reference = ref
+    return ref
+
+
+@pytest.fixture(scope="session")
+def encoded_panel(panel_reference):
+    from panels import encoded_from_record
+
+    return encoded_from_record(panel_reference)
+
+
+@pytest.fixture(scope="session")
+def launch_engine(gate_session: GateSession):
+    """`launch_engine(profile, flags=(), overrides=None)` → (server, endpoint): for gates that need a second
+    server beside the one under test (speculation on, a flag flipped). The caller stops the server."""
+    return functools.partial(_launch_endpoint, echo=gate_session.launcher_echo)
+
+
+@pytest.fixture(scope="session")
+def engine_endpoint(gate_session: GateSession):
+    """The engine under test: --engine-url (already running), else the --engine-profile launched here."""
+    from engine.endpoint import DEFAULT_PROFILE, EngineEndpoint
+
+    opts = gate_session.options
+    if opts.engine_url:
+        from ds41gates.pipeline import served_model
+        from engine.launcher import load_profile
+
+        register_url_credentials(opts.engine_url)
+        root = opts.engine_url.rstrip("/").removesuffix("/v1")
+        key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
+        models = _served_models(opts.engine_url, root, key)
+        if not opts.reference and served_model(opts.engine_profile) is None:
+            _require_default_model(gate_session, opts.engine_url, models)
+        kind, label = "vllm", "default"
+        if opts.engine_profile:
+            prof = load_profile(opts.engine_profile)   # a path (../x.toml) labels the record by the profile's name
+            kind, label = prof.engine or kind, prof.name
+        yield EngineEndpoint(root, models[0], label, engine=kind, flags=opts.engine_flags)
+        return
+    server, endpoint = _launch_endpoint(opts.engine_profile or DEFAULT_PROFILE, flags=opts.engine_flags,
+                                        echo=gate_session.launcher_echo)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_client(engine_endpoint):
+    from engine.endpoint import client_for
+
+    client = client_for(engine_endpoint, max_concurrency=4)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
+    """The engine's record of the panel positions, saved beside the results."""
+    from core.paths import safe_name
+    from engine.endpoint import DEFAULT_ENGINE_K, score_engine
+
+    label = safe_name(engine_endpoint.profile, "engine label")   # becomes a file name in the results folder
+    rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
+    rec.save(gate_run.out_dir / f"engine-{label}.safetensors")
+    gate_run.engines.append((engine_endpoint.profile, rec))
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------ fixture helpers
+
+def _launch_endpoint(profile_name: str, flags=(), overrides=None, echo=None):
+    """Start a server from a shipped profile: the embedded default model, or the profile's own."""
+    from ds41gates import pipeline
+    from engine import endpoint
+
+    return endpoint.launch_endpoint(profile_name, pipeline.profile_model_dir(profile_name), flags=flags,
+                                    overrides=overrides, echo=echo)
+
+
+def _stop_for_user_error(message: str):
+    """A bad option or input file: one line and exit code 2 before any gate runs, never a traceback per gate."""
+    pytest.exit(f"error: {redact(one_line(message))}", returncode=2)
+
+
+def _served_models(url: str, root: str, key: str | None) -> list[str]:
+    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL. Asked
+    through the engine client, so this first request has the gates' guards too: no redirect to another origin,
+    a capped uncompressed body, a total deadline."""
+    from engine.client import MAX_MODEL_NAME, ClientConfig, EngineClient, RetryPolicy
+    from engine.errors import EngineError, EngineRequestRejected, EngineTransportError
+
+    client = EngineClient(ClientConfig(root, "", api_key=key or "unused", timeout_s=30,
+                                       retry=RetryPolicy(max_attempts=1), max_body_bytes=4 << 20))
+    try:
+        resp = client.get("/v1/models")
+    except (EngineRequestRejected, EngineTransportError) as exc:
+        if exc.status is None:
+            _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models ({exc})")
+        hint = " (set DS41_ENGINE_API_KEY to the server's key)" if exc.status in (401, 403) else ""
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {exc.status}{hint}")
+    except EngineError as exc:
+        _stop_for_user_error(f"--engine-url {url}: {exc}")
+    finally:
+        client.close()
+    try:
+        listing = resp.json()
+    except ValueError:
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
+                             f"{resp.headers.get('content-type', '?')!r}); is this an OpenAI-compatible server?")
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
+                             '({"data": [{"id": ...}, ...]})')
+    if not data:
+        _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
+    if any(len(m["id"]) > MAX_MODEL_NAME for m in data):
+        _stop_for_user_error(f"--engine-url {url}: /v1/models lists a model name over {MAX_MODEL_NAME} characters")
+    return [m["id"] for m in data]
+
+
+def _require_default_model(session: GateSession, url: str, models: list[str] | None = None) -> None:
+    """Without --reference the embedded SmolLM2 reference is used: say so, and refuse an engine serving
+    another model."""
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.launcher import load_profile
+
+    if not session.default_reference_announced:
+        session.default_reference_announced = True
+        session.warn("--engine-url without --reference: gating against the embedded SmolLM2 reference of the "
+                     "default panel with the loose [profiles.default] bands; pass --reference for your model "
+                     "(refused when the engine serves another model)")
+    if models is None:
+        root = url.rstrip("/").removesuffix("/v1")
+        models = _served_models(url, root, os.environ.get("DS41_ENGINE_API_KEY"))
+    default_model = load_profile(DEFAULT_PROFILE).served_model
+    if default_model not in models:
+        _stop_for_user_error(
+            f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "
+            "reference is used without --reference; pass --reference with the served model's oracle reference")

@@ -1,9 +1,10 @@
-"""Fixtures shared by the engine-behaviour gates (gates.md §4–§9): sizes, tokenizer, server facts, timings.
+"""Fixtures shared by the engine-behaviour gates (gates.md §4–§9): sizes and server facts.
 
 The engine under test is the plugin's session ``engine_endpoint`` / ``engine_client`` (one server for
 every gate, or ``--engine-url``). Sizes come from gates/config.toml (CI) with, over it, the file named by
 DS41_GATES_CONFIG (e.g. gates/config-production.toml) or else the profile's own gates/config-<profile>.toml;
-an override's tables replace the CI keys one by one.
+an override's tables replace the CI keys one by one. Per-gate wall times are the plugin session's
+(results.json ``timings``).
 """
 
 from __future__ import annotations
@@ -109,26 +110,4 @@ def engine_facts(engine_client) -> dict[str, Any]:
     block = next((int(s) for s in sizes if s.isdigit()), None)
     return {"max_model_len": _engine.max_model_len(engine_client), "block_size": block,
             "prefix_caching": info.get("enable_prefix_caching"), "cache_config": info}
-
-
-# ---------------------------------------------------------------- per-gate wall times (setup + call + teardown)
-# Module fixtures (the requests of a gate, a spec-decode server launch) run in the setup of a gate file's
-# first test; the session server's start lands in the setup of the first test that needs it.
-_durations: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report) -> None:
-    if report.nodeid.startswith("gates/"):
-        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
-
-
-def pytest_sessionfinish(session) -> None:
-    run = getattr(session.config, "_ds41_gate_run", None)
-    if run is not None and _durations:
-        per_file: dict[str, float] = {}
-        for nodeid, d in _durations.items():
-            f = nodeid.split("::")[0]
-            per_file[f] = per_file.get(f, 0.0) + d
-        run.add("gate_timings", {"per_test_s": {k: round(v, 2) for k, v in _durations.items()},
-                                 "per_gate_file_s": {k: round(v, 2) for k, v in per_file.items()}})
 

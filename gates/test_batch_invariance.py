@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import batch
 
@@ -96,10 +97,10 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
 def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config):
     comparisons, _ = batch_runs
     res = batch.judge(comparisons)
-    gate_results.add("batch_invariance", {"profile": engine_endpoint.profile, "passed": res.passed,
-                                          "failures": res.failures, "summary": res.summary,
-                                          "scenarios": res.scenarios, "comparisons": res.rows,
-                                          "config": gate_config["batch"]})
+    gate_results.add(GateEntry("batch_invariance", res.passed, profile=engine_endpoint.profile,
+                               failures=res.failures, metrics=headline(res.summary),
+                               evidence={"summary": res.summary, "scenarios": res.scenarios,
+                                         "comparisons": res.rows, "config": gate_config["batch"]}))
     gate_results.add_section("Batch invariance (gates.md §5)",
                              [{k: v for k, v in s.items() if k != "first_divergences"} for s in res.scenarios],
                              f"{engine_endpoint.profile}: verdict = greedy token ids equal to the solo run; "
@@ -124,8 +125,8 @@ def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_
     cmp = batch.compare("changed request", name, solo, _out(other))
     truncated = batch.compare("truncated", name, solo, batch.Output(solo.ids[:-3], solo.steps[:-3]))
     res = batch.judge([cmp, truncated])
-    gate_results.add("batch_invariance_violation", {"detected": not res.passed, "failures": res.failures,
-                                                     "comparisons": res.rows})
+    gate_results.add(GateEntry("batch_invariance_violation", not res.passed,
+                               evidence={"caught": res.failures, "comparisons": res.rows}))
     assert not res.passed
     assert cmp.first_divergence is not None and not cmp.equal_ids, "a changed prompt gave identical ids"
     assert truncated.first_divergence == len(solo.ids) - 3

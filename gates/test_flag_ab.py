@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from core.results import FlagGateVerdict
 from gates import BANDS_FILE
 from gates.lib import flag_ab as verdicts
 from nightly import flag_ab as stats
@@ -132,24 +133,17 @@ def on_greedy(flag_on, ab_prompts, greedy_tokens) -> list:
     return _generate(flag_on, ab_prompts, greedy_tokens)[0]
 
 
-@pytest.fixture(scope="session")
-def ab_results() -> dict[str, dict]:
-    return {}
-
-
 @pytest.fixture
 def entry(flag_name, flag_registry):
     return flag_registry.get(flag_name)
 
 
-def _settle(gate: str, verdict: dict, entry, ab_results: dict, gate_results, profile: str) -> None:
-    """Record the verdict (results.json and the report section), then pass or fail the test on it."""
-    updated = verdicts.with_verdict(ab_results, entry.name, entry.cls, entry.kind, profile, gate, verdict)
-    ab_results.clear()
-    ab_results.update(updated)
-    gate_results.add("flag_ab", ab_results)
-    gate_results.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(ab_results), verdicts.REPORT_NOTE)
-    assert verdict["passed"], f"flag {entry.name} ({entry.cls}) gate {gate}: {verdict['why']}"
+def _settle(verdict: FlagGateVerdict, entry, gate_results, profile: str) -> None:
+    """Record the verdict (results.json's flag table and the report section), then pass or fail the test on it."""
+    gate_results.add_flag_verdict(entry.name, entry.cls, entry.kind, profile, verdict)
+    gate_results.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(gate_results.results.flag_ab),
+                             verdicts.REPORT_NOTE)
+    assert verdict.passed, f"flag {entry.name} ({entry.cls}) gate {verdict.gate}: {verdict.why}"
 
 
 # ----------------------------------------------------------------------------------------------- the gates
@@ -165,31 +159,31 @@ def test_flag_registered(flag_name, flag_registry, ab_profile):
 
 
 @guards("bitwise_panel")
-def test_bitwise_panel(entry, panel_engine_record, on_record, ab_results, gate_results, engine_endpoint):
+def test_bitwise_panel(entry, panel_engine_record, on_record, gate_results, engine_endpoint):
     verdict = verdicts.bitwise_verdict(stats.compare_records_bitwise(panel_engine_record, on_record))
-    _settle("bitwise_panel", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)
 
 
 @guards("bitwise_greedy")
-def test_bitwise_greedy(entry, off_greedy, on_greedy, ab_results, gate_results, engine_endpoint):
+def test_bitwise_greedy(entry, off_greedy, on_greedy, gate_results, engine_endpoint):
     off, off_again = off_greedy
     verdict = verdicts.greedy_verdict(stats.compare_generations(off, off_again), stats.compare_generations(off, on_greedy))
-    _settle("bitwise_greedy", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)
 
 
 @guards("kl_band")
-def test_kl_band(entry, panel_reference, on_record, ab_results, gate_results, engine_endpoint):
+def test_kl_band(entry, panel_reference, on_record, gate_results, engine_endpoint):
     from core.verdicts import judge
 
     band = entry.thresholds.band_profile or engine_endpoint.profile
     _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", BANDS_FILE)
     gate_results.panel_gates.append(pg)
     verdict = verdicts.band_verdict(pg.passed, pg.failures, band, pg.summary)
-    _settle("kl_band", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)
 
 
 @guards("paired_not_worse")
-def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record, ab_results, gate_results,
+def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record, gate_results,
                           engine_endpoint):
     from core import metrics
 
@@ -197,15 +191,15 @@ def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record
                                        metrics.position_metrics(panel_reference, on_record), "kl_part")
     verdict = verdicts.paired_verdict(stats.paired_not_worse(paired, entry.thresholds),
                                       stats.compare_records_bitwise(panel_engine_record, on_record))
-    _settle("paired_not_worse", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)
 
 
 @guards("speed")
-def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_tokens, ab_results, gate_results):
+def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_tokens, gate_results):
     off_s, on_s = [], []
     for _ in range(request.config.getoption("--ab-speed-rounds")):  # alternate so drift hits both sides
         for endpoint, speeds in ((engine_endpoint, off_s), (flag_on, on_s)):
             _, wall, n = _generate(endpoint, ab_prompts, greedy_tokens)
             speeds.append(n / wall)
-    verdict = verdicts.speed_entry(stats.speed_verdict(off_s, on_s, entry.thresholds))
-    _settle("speed", verdict, entry, ab_results, gate_results, engine_endpoint.profile)
+    verdict = verdicts.speed_verdict(stats.speed_verdict(off_s, on_s, entry.thresholds))
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)

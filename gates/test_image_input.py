@@ -32,6 +32,7 @@ import time
 import numpy as np
 import pytest
 
+from core.results import GateEntry, headline
 from core.verdicts import judge
 from gates import BANDS_FILE
 from gates.lib.image_input import path_agreement, same_greedy_verdict
@@ -105,11 +106,11 @@ def _judge(ref, eng, label):
 def test_image_prompts_match_the_oracle_per_domain(vlm, records, gate_results):
     eng = records["eng"].subset(records["image_ids"])
     result, gate = _judge(records["ref"], eng, f"{PROFILE} images")
-    gate_results.add("image_input", {"profile": PROFILE, "passed": gate.passed, "failures": gate.failures,
-                                     "summary": gate.summary, "rows": gate.rows,
-                                     "server_start_s": round(vlm["start_s"], 1),
-                                     "oracle_s": round(records["oracle_s"], 1),
-                                     "engine_s": round(records["engine_s"], 1)})
+    gate_results.add(GateEntry("image_input", gate.passed, profile=PROFILE, failures=gate.failures,
+                               metrics={**headline(gate.summary), "server_start_s": round(vlm["start_s"], 1),
+                                        "oracle_s": round(records["oracle_s"], 1),
+                                        "engine_s": round(records["engine_s"], 1)},
+                               evidence={"summary": gate.summary, "rows": gate.rows}))
     print(f"\nimage prompts: {gate.summary}")
     assert result.overall.n_positions == records["ref"].subset(records["image_ids"]).n_positions
     assert len(result.domains) >= 8, sorted(result.domains)
@@ -133,7 +134,9 @@ def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_
         a = eng.subset([sid]).actual_logprob
         b = plain.subset([sid]).actual_logprob
         rows[sid] = path_agreement(a, b, tol=1e-5)
-    gate_results.add("image_input_text_only", {"passed": gate.passed, "summary": gate.summary, "paths": rows})
+    gate_results.add(GateEntry("image_input_text_only", gate.passed and all(r["passed"] for r in rows.values()),
+                               profile=PROFILE, metrics=headline(gate.summary),
+                               evidence={"summary": gate.summary, "paths": rows}))
     print(f"\ntext-only: {gate.summary}; chat vs completions: "
           f"{max(r['max_abs_diff'] for r in rows.values()):.2e}")
     assert all(r["passed"] for r in rows.values()), rows
@@ -154,9 +157,9 @@ def test_wrong_image_preprocessing_on_the_oracle_side_is_caught(vlm, records, wr
     bad = HFVisionOracle.load(vlm["model_dir"], processor_overrides=wrong)
     bad_ref = bad.score(only_images, vlm["panel"])
     _, gate = _judge(bad_ref, records["eng"].subset(records["image_ids"]), f"{PROFILE} wrong {sorted(wrong)}")
-    gate_results.add(f"image_input_canfail_{'_'.join(sorted(wrong))}", {"passed": gate.passed,
-                                                                      "summary": gate.summary,
-                                                                      "failures": gate.failures})
+    # a check of the checker: it passes when the wrongly preprocessed oracle fails the gate
+    gate_results.add(GateEntry(f"image_input_canfail_{'_'.join(sorted(wrong))}", not gate.passed, profile=PROFILE,
+                               metrics=headline(gate.summary), evidence={"caught": gate.failures}))
     print(f"\nwrong preprocessing {sorted(wrong)}: {gate.summary}")
     assert not gate.passed, f"an oracle with {wrong} still passed: {gate.summary}"
     # every domain with an image fails (not one lucky domain): the images drive the text after them
@@ -205,7 +208,9 @@ def test_readback_greedy_reply_equals_the_oracle_and_depends_on_the_image(vlm, g
         v = same_greedy_verdict(eng_ids, ora_ids)
         rows[item.id] = {**v.to_dict(), "engine_text": text, "rendered": item.readback}
         replies[item.id] = tuple(eng_ids)
-    gate_results.add("image_input_readback", rows)
+    gate_results.add(GateEntry("image_input_readback", all(r["passed"] for r in rows.values()), profile=PROFILE,
+                               failures=[f"{k}: {r['why']}" for k, r in rows.items() if not r["passed"]],
+                               evidence={"replies": rows}))
     print("\nread-back (engine greedy = oracle greedy): " + "; ".join(f"{k}: {r['why']}" for k, r in rows.items()))
     assert len(rows) >= 3
     assert all(r["passed"] for r in rows.values()), rows

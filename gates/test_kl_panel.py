@@ -6,6 +6,7 @@ profile's bands (gates/bands.toml), and no infinite position. Guards every `nume
 
 import pytest
 
+from core.results import GateEntry, headline
 from core.verdicts import judge
 from gates import BANDS_FILE
 
@@ -16,9 +17,10 @@ def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoi
     result, gate = judge(panel_reference, panel_engine_record, engine_endpoint.profile,
                          label=engine_endpoint.profile, bands_file=BANDS_FILE)
     gate_results.panel_gates.append(gate)
-    gate_results.add("kl_panel", {"profile": gate.profile, "passed": gate.passed, "failures": gate.failures,
-                                  "summary": gate.summary, "metrics": result.as_dict(),
-                                  # the origin(s) whose answers this verdict rests on (the engine record's own)
-                                  "answered_by": panel_engine_record.provenance.extra.get("answered_by")})
+    gate_results.add(GateEntry("kl_panel", gate.passed, profile=gate.profile, failures=gate.failures,
+                               metrics=headline(gate.summary),
+                               # the origin(s) whose answers this verdict rests on (the engine record's own)
+                               evidence={"summary": gate.summary, "metrics": result.as_dict(),
+                                         "answered_by": panel_engine_record.provenance.extra.get("answered_by")}))
     assert result.overall.n_positions == panel_reference.n_positions
     assert gate.passed, "KL panel gate failed:\n" + "\n".join(gate.failures)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import needles
 
@@ -89,12 +90,14 @@ def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
     png = gate_results.out_dir / "needles_heatmap.png"
     _heatmap_png(r["cells"] + r["report_only"], png)
     extra_rows = [{**c.as_row(), "gated": False} for c in r["report_only"]]
-    gate_results.add("needles", {"profile": engine_endpoint.profile, "passed": res.passed, "failures": res.failures,
-                                 "summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
-                                 "max_model_len": r["max_model_len"], "heatmap_png": str(png),
-                                 "report_only_cells": extra_rows, "answer_prefix": cfg["answer_prefix"],
-                                 "report_only_found": f"{sum(c.passed for c in r['report_only'])}/{len(r['report_only'])}",
-                                 "config": gate_config["needles"]})
+    gate_results.add(GateEntry("needles", res.passed, profile=engine_endpoint.profile, failures=res.failures,
+                               metrics=headline(res.summary),
+                               evidence={"summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
+                                         "max_model_len": r["max_model_len"], "heatmap_png": str(png),
+                                         "report_only_cells": extra_rows, "answer_prefix": cfg["answer_prefix"],
+                                         "report_only_found": f"{sum(c.passed for c in r['report_only'])}/"
+                                                              f"{len(r['report_only'])}",
+                                         "config": gate_config["needles"]}))
     gate_results.add_section("Needles: length × depth (gates.md §7)",
                              res.heatmap + [{**row, "length": f"{row['length']} (plain question, report-only)"}
                                             for row in needles.heatmap_rows(r["report_only"])],
@@ -126,6 +129,7 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     gen = _engine.complete(engine_client, cut, cfg["max_tokens"], 1, ignore_eos=False, seq_id="needle-cut")
     cell = needles.Cell(case.length, case.depth, case.seed, len(cut), hay.actual_depth, hay.passphrase, gen.text)
     res = needles.judge([cell])
-    gate_results.add("needles_violation", {"detected": not res.passed, "cell": cell.as_row(), "failures": res.failures})
+    gate_results.add(GateEntry("needles_violation", not res.passed, evidence={"caught": res.failures,
+                                                                             "cell": cell.as_row()}))
     assert not cell.passed and not res.passed
     assert "needle missed" in res.failures[0]

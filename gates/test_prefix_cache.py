@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import prefix
 
@@ -114,8 +115,8 @@ def prefix_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
 
 def _not_applicable(r: dict, profile: str, gate_results) -> None:
     if "not_applicable" in r:
-        gate_results.add("prefix_cache", {"profile": profile, "passed": None, "applicable": False,
-                                          "reason": r["not_applicable"]})
+        gate_results.add(GateEntry("prefix_cache", None, profile=profile,
+                                   failures=[f"not applicable: {r['not_applicable']}"]))
         pytest.xfail(f"prefix cache gate not applicable on {profile}: {r['not_applicable']}")
 
 
@@ -123,11 +124,10 @@ def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config):
     r = prefix_runs
     _not_applicable(r, engine_endpoint.profile, gate_results)
     res = prefix.judge(r["verdicts"])
-    gate_results.add("prefix_cache", {"profile": engine_endpoint.profile, "passed": res.passed,
-                                      "failures": res.failures, "counts": res.counts, "cases": r["rows"],
-                                      "block_size": r["block"], "f_run": r["f_run"], "kl_tol": r["kl_tol"],
-                                      "passes": r["labels"], "not_testable": r["skipped"],
-                                      "config": gate_config["prefix"]})
+    gate_results.add(GateEntry("prefix_cache", res.passed, profile=engine_endpoint.profile, failures=res.failures,
+                               metrics={**headline(res.counts), "f_run": r["f_run"], "kl_tol": r["kl_tol"]},
+                               evidence={"cases": r["rows"], "block_size": r["block"], "passes": r["labels"],
+                                         "not_testable": r["skipped"], "config": gate_config["prefix"]}))
     gate_results.add_section("Prefix cache: cold vs warm (gates.md §6)", r["rows"],
                              f"{engine_endpoint.profile}: block size {r['block']}; passes {r['labels']}; "
                              f"counts {res.counts}; F_run {r['f_run']:.3g}, per-step KL tolerance {r['kl_tol']:.3g}; "
@@ -153,7 +153,9 @@ def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_clien
     assert v.verdict in prefix.BAD and v.verdict != "INVALID", v
     unsalted = _run(engine_client, case["test"], cfg)      # fresh salt: nothing can be served from cache
     v2 = prefix.classify(case["case"] + " (fresh salt)", cold, unsalted, case["expected"], prefix_runs["kl_tol"])
-    gate_results.add("prefix_cache_violation", {"mismatch": v.as_row(), "fresh_salt": v2.as_row()})
+    caught = v.verdict in prefix.BAD and v.verdict != "INVALID" and v2.verdict == "INVALID"
+    gate_results.add(GateEntry("prefix_cache_violation", caught,
+                               evidence={"mismatch": v.as_row(), "fresh_salt": v2.as_row()}))
     assert unsalted.cached_tokens == 0
     assert v2.verdict == "INVALID" and "no hit proven" in v2.reason, v2
     assert not prefix.judge([("violation", v), ("violation", v2)]).passed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import selfconsistency as sc
 
@@ -58,9 +59,10 @@ def _band(cfg, profile: str = "", flags: tuple[str, ...] = ()) -> sc.Band:
 def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results):
     cfg = gate_config["selfconsistency"]
     res = sc.judge(sc_runs, _band(cfg, engine_endpoint.profile, engine_endpoint.flags), block=engine_facts["block_size"])
-    gate_results.add("self_consistency", {"profile": engine_endpoint.profile, "passed": res.passed,
-                                          "failures": res.failures, "summary": res.summary, "regions": res.rows,
-                                          "prompts": res.prompts, "config": cfg})
+    gate_results.add(GateEntry("self_consistency", res.passed, profile=engine_endpoint.profile,
+                               failures=res.failures, metrics=headline(res.summary),
+                               evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
+                                         "config": cfg}))
     rows = [{k: r[k] for k in ("region", "positions", "kl_part_mean", "kl_part_median", "kl_part_max", "top1_decided",
                               "max_abs_dlogprob_decided", "spread_mean", "band", "pass")} for r in res.rows]
     gate_results.add_section("Self-consistency: decode vs prefill (gates.md §4)", rows,
@@ -83,7 +85,7 @@ def test_self_consistency_detects_wrong_context(sc_runs, engine_client, engine_e
     wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg["k"])
     bad = sc.PromptRuns(a.prompt_id + "+wrong-context", a.domain, a.prompt_len, a.decode, (wrong, wrong))
     res = sc.judge([bad], _band(cfg, engine_endpoint.profile, engine_endpoint.flags))
-    gate_results.add("self_consistency_violation", {"case": bad.prompt_id, "detected": not res.passed,
-                                                    "failures": res.failures, "summary": res.summary})
+    gate_results.add(GateEntry("self_consistency_violation", not res.passed,
+                               evidence={"case": bad.prompt_id, "caught": res.failures, "summary": res.summary}))
     assert not res.passed
     assert any("mean KL_part" in f for f in res.failures), res.failures

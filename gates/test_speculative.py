@@ -19,6 +19,7 @@ import os
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import specdec
 
@@ -87,10 +88,10 @@ def spec_runs(spec_client, engine_client, gate_config, gate_tokenizer):
 def test_speculative_decoding(spec_runs, engine_endpoint, gate_results, gate_config):
     cfg = gate_config["specdec"]
     res = specdec.judge(spec_runs["checks"], spec_runs["acceptance"], strict=cfg["strict"])
-    gate_results.add("speculative_decoding", {"profile": engine_endpoint.profile, "passed": res.passed,
-                                              "failures": res.failures, "summary": res.summary,
-                                              "lossless": res.lossless_rows, "acceptance": res.acceptance_rows,
-                                              "config": cfg})
+    gate_results.add(GateEntry("speculative_decoding", res.passed, profile=engine_endpoint.profile,
+                               failures=res.failures, metrics=headline(res.summary),
+                               evidence={"summary": res.summary, "lossless": res.lossless_rows,
+                                         "acceptance": res.acceptance_rows, "config": cfg}))
     gate_results.add_section("Speculative decoding: acceptance per domain (gates.md §8)", res.acceptance_rows,
                              f"{engine_endpoint.profile} + {cfg['speculative_config']}: L1 identical "
                              f"{res.summary['identical']}; α = accepted/proposed, τ = 1 + accepted/drafts "
@@ -113,7 +114,7 @@ def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, gate_
     assert not bad.equal and bad.first_divergence is not None
     empty = specdec.Acceptance("synthetic", specdec.Counters(10, 0, 0, (0, 0, 0)), cfg["num_speculative_tokens"])
     res = specdec.judge([bad], [empty], strict=True)
-    gate_results.add("speculative_decoding_violation", {"detected": not res.passed, "failures": res.failures})
+    gate_results.add(GateEntry("speculative_decoding_violation", not res.passed, evidence={"caught": res.failures}))
     assert not res.passed
     assert any("differs from plain greedy" in f for f in res.failures)
     assert any("empty drafts" in f for f in res.failures)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import bench
 
@@ -132,7 +133,8 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
     out = gate_results.out_dir
     write_json_atomic(out / "engine_bench.json", r)
     _plot(r, out / "engine_bench.png")
-    gate_results.add("speed_bench", {k: v for k, v in r.items()})
+    gate_results.add(GateEntry("speed_bench", not r["invalid"] and not regress, profile=engine_endpoint.profile,
+                               failures=[*r["invalid"], *regress], metrics=headline(_medians(r)), evidence=r))
     rows = [{"measure": f"decode {k}", "median": v["decode_tps"]["median"], "min": v["decode_tps"]["min"],
              "max": v["decode_tps"]["max"], "ttft_s": v["ttft_s"]["median"], "identical_texts": v["identical_texts"]}
             for k, v in r["decode"].items()]

@@ -8,6 +8,7 @@ measured and reported. Records (with provenance) and the resumable generations g
 
 import pytest
 
+from core.results import GateEntry, headline
 from gates.lib.evals import eval_gate
 
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
@@ -37,10 +38,9 @@ def test_task_evals(engine_endpoint, gate_config, gate_results, request):
                 pytest.fail(f"--eval-baseline {baseline}: no {path.name} (run the same suites there first)")
             comparisons.append(compare_records(EvalRecord.load(path), rec, "baseline", engine_endpoint.profile))
     gate = eval_gate(comparisons, cfg["alpha"])
-    gate_results.add("task_evals", {"profile": engine_endpoint.profile, "passed": gate.passed,
-                                    "failures": list(gate.failures), "baseline": baseline,
-                                    "scores": {s: r.scores() for s, r in recs.items()},
-                                    "comparisons": [c.as_dict() for c in comparisons]})
+    gate_results.add(GateEntry("task_evals", gate.passed, profile=engine_endpoint.profile, failures=gate.failures,
+                               metrics={f"{s}.{k}": v for s, r in recs.items() for k, v in headline(r.scores()).items()},
+                               evidence={"baseline": baseline, "comparisons": [c.as_dict() for c in comparisons]}))
     gate_results.add_section("Task evals", [{"suite": s, "problems": len(r.problems),
                                              **{k: f"{100 * v:.1f}" for k, v in r.scores().items()}}
                                             for s, r in recs.items()],

@@ -18,6 +18,7 @@ import torch
 
 from core.atomic import write_json_atomic
 from core.paths import cache_dir
+from core.results import GateEntry
 from gates.lib.vision_tower import VISION_FLAG, tower_gate
 from nightly.flags import load_registry
 
@@ -66,8 +67,10 @@ def test_engine_fp32_image_encoder_matches_the_oracle(tower_run, gate_results):
     bf16_row = tower_gate(_rows(tower_run, "bfloat16"), tower_run["fp32"], tower_run["bf16"], load_registry())
     doc = {"fp32": row, "bf16": bf16_row, "runner": {k: v for k, v in tower_run["report"].items() if k != "runs"}}
     write_json_atomic(gate_results.out_dir / "vision_tower.json", doc)
-    gate_results.add("vision_tower", {"flag": row["flag"], "passed": row["passed"], "why": row["why"],
-                                      "bf16_engine_passed": bf16_row["passed"], "bf16_engine_why": bf16_row["why"]})
+    gate_results.add(GateEntry("vision_tower", row["passed"], flag=row["flag"],
+                               failures=[] if row["passed"] else [row["why"]],
+                               evidence={"why": row["why"], "bf16_engine_passed": bf16_row["passed"],
+                                         "bf16_engine_why": bf16_row["why"]}))
     worst = max(r["engine_rel_l2"] for r in row["images"])
     floor = min(r["floor_rel_l2"] for r in row["images"])
     print(f"\nvision tower (fp32 engine): worst rel. L2 {worst:.2e}, bf16 floor >= {floor:.2e}; "

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from core.results import FILE_NAME, GateResults, ResultsError
 from nightly.flags import CLASSES, FlagRegistryError, Registry, check_profile, load_registry
 
 DEFAULT_DB = Path("nightly") / "history.sqlite"
@@ -47,19 +48,15 @@ def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict
     """flag → {passed, gates: {gate: (passed, why)}, source}: from results.json if given, else the history DB."""
     out: dict[str, dict] = {}
     if results is not None:
-        path = results / "results.json" if results.is_dir() else results
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            typer.echo(f"error: {path}: cannot read results ({exc})", err=True)
+            run = GateResults.load(results)
+        except ResultsError as exc:
+            typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2)
-        problem = _results_shape(data)
-        if problem:
-            typer.echo(f"error: {path}: not a gate run's results.json ({problem})", err=True)
-            raise typer.Exit(2)
-        for flag, slot in (data.get("flag_ab") or {}).items():
-            gates = {g: (bool(v.get("passed")), str(v.get("why", ""))) for g, v in slot.get("gates", {}).items()}
-            out[flag] = {"passed": all(p for p, _ in gates.values()), "gates": gates, "source": str(path)}
+        source = str(results / FILE_NAME if results.is_dir() else results)
+        for flag in run.flag_ab:
+            out[flag.flag] = {"passed": flag.passed, "gates": {v.gate: (v.passed, v.why) for v in flag.gates},
+                              "source": source}
         return out
     if db is not None and db.exists():
         from nightly.history import latest_flag_verdicts
@@ -67,20 +64,6 @@ def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict
         for flag, slot in latest_flag_verdicts(db).items():
             out[flag] = {**slot, "source": f"run {slot['run_id']} ({slot['started']}) cell {slot['cell']}"}
     return out
-
-
-def _results_shape(data) -> str:
-    """'' when `data` has the shape `last_verdicts` reads (results.json's flag_ab table), else what is wrong."""
-    if not isinstance(data, dict):
-        return f"expected a JSON object, got a JSON {type(data).__name__}"
-    table = data.get("flag_ab") or {}
-    if not isinstance(table, dict):
-        return f"flag_ab is a {type(table).__name__}, expected a table of flags"
-    for flag, slot in table.items():
-        gates = slot.get("gates", {}) if isinstance(slot, dict) else None
-        if not isinstance(gates, dict) or not all(isinstance(v, dict) for v in gates.values()):
-            return f"flag_ab.{flag} is not {{gates: {{gate: {{passed, why}}}}}}"
-    return ""
 
 
 @flags_app.callback()

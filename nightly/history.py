@@ -19,7 +19,9 @@ import sqlite3
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
+
+from core.results import GateResults
 
 SCHEMA_VERSION = 1
 
@@ -244,11 +246,10 @@ def latest_flag_verdicts(db: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def flag_verdicts_from_results(results: Mapping[str, Any], cell: str = "") -> list[FlagVerdict]:
-    """The ``flag_ab`` section of a results.json as FlagVerdict rows (pure)."""
-    out = []
-    for flag, slot in sorted((results.get("flag_ab") or {}).items()):
-        for gate, v in sorted(slot.get("gates", {}).items()):
-            out.append(FlagVerdict(flag, slot.get("class", "?"), gate, bool(v.get("passed")), str(v.get("why", ""))))
-    return out
+def flag_verdicts_from_results(results: GateResults | None, cell: str = "") -> list[FlagVerdict]:
+    """The flag A/B verdicts of a gate run's results as FlagVerdict rows (pure); none without results."""
+    if results is None:
+        return []
+    return [FlagVerdict(f.flag, f.cls, v.gate, v.passed, v.why)
+            for f in sorted(results.flag_ab, key=lambda f: f.flag) for v in sorted(f.gates, key=lambda v: v.gate)]
 

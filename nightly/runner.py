@@ -64,6 +64,8 @@ from core.errors import UnsafeNameError, UserError
 from core.paths import repo_root, safe_name
 from core.redact import SECRET_NAME, known_secrets, redact, redact_command, redact_data, register_argv, \
     register_secret, scrub_file
+from core.results import FILE_NAME as RESULTS_FILE
+from core.results import GateResults, ResultsError
 from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
@@ -288,17 +290,18 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def cell_metrics(results: Mapping[str, Any], per_prompt: Mapping[str, Any] | None) -> list[H.Metric]:
-    """What a cell's results.json / per_prompt.json hold, as history metrics (pure)."""
+def cell_metrics(results: GateResults | None, per_prompt: Mapping[str, Any] | None) -> list[H.Metric]:
+    """What a cell's results.json / per_prompt.json hold, as history metrics (pure): the KL panel gate's headline
+    numbers, each flag A/B gate's tracked numbers, each engine record's per-prompt mean KL_part."""
     out: list[H.Metric] = []
-    kl = results.get("kl_panel") or {}
-    for key, value in sorted((kl.get("summary") or {}).items()):
+    kl = results.gate("kl_panel") if results is not None else None
+    for key, value in sorted((kl.metrics if kl is not None else {}).items()):
         out.append(H.Metric(f"kl_panel.{key}", _finite(value)))
-    for flag, slot in sorted((results.get("flag_ab") or {}).items()):
-        for gate, v in sorted(slot.get("gates", {}).items()):
-            for key in ("ratio", "mean_diff", "max_abs_diff"):
-                if key in v:
-                    out.append(H.Metric(f"flag_ab.{flag}.{gate}.{key}", _finite(v[key])))
+    for flag in sorted(results.flag_ab if results is not None else (), key=lambda f: f.flag):
+        for v in sorted(flag.gates, key=lambda v: v.gate):
+            for key, value in (("ratio", v.ratio), ("mean_diff", v.mean_diff), ("max_abs_diff", v.max_abs_diff)):
+                if value is not None:
+                    out.append(H.Metric(f"flag_ab.{flag.flag}.{v.gate}.{key}", _finite(value)))
     for label, data in sorted(((per_prompt or {}).get("engines") or {}).items()):
         vals = tuple(_finite(x) for x in data.get("kl_part", []))
         finite = [x for x in vals if x is not None]
@@ -320,6 +323,16 @@ def per_prompt_metrics(reference, engines: Sequence[tuple[str, Any]]) -> dict[st
     return out
 
 
+def _read_results(path: Path) -> GateResults | None:
+    """A cell's results.json (None when its pytest wrote none); one of another format is a config error."""
+    if not path.exists():
+        return None
+    try:
+        return GateResults.load(path)
+    except ResultsError as exc:
+        raise NightlyConfigError(str(exc)) from None
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -335,7 +348,7 @@ def collect_cell(cell: Cell, cell_dir: Path, pytest_exit: int, duration_s: float
     if pytest_exit not in (0, 1) or not junit.exists():
         gates.append(H.GateOutcome("nightly::cell_ran", "error", duration_s,
                                    f"pytest exited {pytest_exit} (see {cell_dir / 'pytest.log'})"))
-    results = _read_json(cell_dir / "results.json")
+    results = _read_results(cell_dir / RESULTS_FILE)
     per_prompt = _read_json(cell_dir / "per_prompt.json")
     return H.CellRecord(cell.name, cell.profile, cell.flags, pytest_exit, duration_s, str(cell_dir), gates,
                         cell_metrics(results, per_prompt), H.flag_verdicts_from_results(results, cell.name))

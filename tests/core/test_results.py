@@ -63,7 +63,7 @@ def test_a_later_entry_with_the_same_key_replaces_the_earlier_in_place():
     ({"kl_panel": {"passed": True}}, "no format tag (found top-level keys ['kl_panel'])"),
     ({"format": "ds41-record/1"}, "results format 'ds41-record/1', this harness reads 'ds41-results/1'"),
     ({"format": "ds41-results/0", "gates": []}, "results format 'ds41-results/0'"),
-    ([1, 2], "found a JSON list"),
+    ([1, 2], "not a ds41-results/1 results file: found a JSON list"),
 ])
 def test_an_old_or_foreign_file_is_refused_naming_file_and_what_it_found(tmp_path, doc, found):
     path = tmp_path / "results.json"
@@ -89,7 +89,8 @@ def _doc_with(**entry) -> str:
 def test_a_renamed_key_or_a_wrong_type_is_refused_naming_where(entry, found):
     with pytest.raises(ResultsError) as err:
         GateResults.from_json(_doc_with(**entry), where="run/results.json")
-    assert str(err.value).startswith("run/results.json: not ds41-results/1 results: ") and found in str(err.value)
+    assert str(err.value).startswith("run/results.json: not a ds41-results/1 results file: ")
+    assert found in str(err.value)
 
 
 def test_an_unknown_outcome_is_refused_and_the_flag_table_is_typed_too():

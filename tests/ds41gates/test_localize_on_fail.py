@@ -4,13 +4,12 @@ and plot land in results.json and the report."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from core.localize import LocalizeRecord, decide, localize_sites
 from core.records import Record
+from core.results import GateResults
 from ds41gates.localize_plugin import TITLE, localize_failed_gate
 from ds41gates.pytest_plugin import GateRun
 from tests.core.recordkit import provenance, random_logprobs, sequence_from_full
@@ -64,17 +63,16 @@ def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path, monkeyp
 
     monkeypatch.setenv("DS41_PERTURB_LAYER", "1")
     monkeypatch.setenv("DS41_PERTURB_MODULE", "mlp")
-    data = localize_failed_gate(_Config(**{"--engine-flag": ["no_prefix_cache", "no_prefix_cache"]}), run, runner)
-    assert seen["profile"] == "vllm-cpu-fp32" and seen["source"]["seq_id"] == "s1" == data["seq_id"]
+    entry = localize_failed_gate(_Config(**{"--engine-flag": ["no_prefix_cache", "no_prefix_cache"]}), run, runner)
+    assert seen["profile"] == "vllm-cpu-fp32" and seen["source"]["seq_id"] == "s1" == entry.evidence["seq_id"]
     assert seen["ids"] == [int(t) for t in ref.token_ids[ref.seq_offsets[1]:ref.seq_offsets[2]]]
     assert seen["flags"] == ("no_prefix_cache",) and seen["env"] == {"DS41_PERTURB_LAYER": "1",
                                                                      "DS41_PERTURB_MODULE": "mlp"}
-    results = json.loads((tmp_path / "results.json").read_text())
-    v = results["localize"]["verdict"]
+    v = GateResults.load(tmp_path).gate("localize").evidence["verdict"]
     assert (v["first_divergent_layer"], v["first_divergent_module"]) == (1, "mlp")
     assert (tmp_path / "localize" / "localize.json").exists() and (tmp_path / "localize" / "localize.png").exists()
     assert TITLE in run.report_sections and "layer 1, module mlp" in run.report_sections[TITLE]["note"]
-    paths = write_report(run.reference, run.engines, tmp_path, (), run.report_sections, plots=run.report_plots)
+    paths = write_report(run.reference, run.engines, tmp_path, (), run.report_sections, plots=run.plots)
     html = paths.html.read_text()
     assert "Divergence localizer: s1" in html and TITLE in html
 
@@ -91,4 +89,4 @@ def test_without_a_profile_an_engine_url_is_not_localized_and_a_failure_is_repor
 
     assert localize_failed_gate(_Config(), run, broken) is None
     assert "engine died" in run.report_sections[TITLE]["note"]
-    assert json.loads((tmp_path / "results.json").read_text())["localize"]["error"].endswith("engine died")
+    assert GateResults.load(tmp_path).gate("localize").failures[0].endswith("engine died")

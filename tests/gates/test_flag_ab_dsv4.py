@@ -13,13 +13,14 @@ the probe's evidence, as the other dsv4 server tests.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from core.results import GateResults
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = "vllm-cpu-dsv4"
@@ -44,11 +45,11 @@ def test_no_prefix_cache_is_exact_on_the_real_deepseek_engine(tmp_path):
     proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    doc = json.loads((results / "results.json").read_text())
-    ab = doc["flag_ab"]["no_prefix_cache"]
-    assert ab["class"] == "exact" and ab["profile"] == PROFILE and ab["passed"], ab
-    assert set(ab["gates"]) == {"bitwise_panel", "bitwise_greedy"}, ab["gates"]
-    assert all(g["passed"] and g["identical"] for g in ab["gates"].values()), ab["gates"]
-    assert ab["gates"]["bitwise_greedy"]["baseline_deterministic"], ab["gates"]["bitwise_greedy"]
-    assert ab["gates"]["bitwise_panel"]["compared"] == 229, ab["gates"]["bitwise_panel"]    # all of dsv4-ci@1
-    assert ab["gates"]["bitwise_greedy"]["compared"] == 8 * 16, ab["gates"]["bitwise_greedy"]  # 8 domains x 16
+    ab = GateResults.load(results).flag("no_prefix_cache")
+    assert ab.cls == "exact" and ab.profile == PROFILE and ab.passed, ab
+    gates = {v.gate: v for v in ab.gates}
+    assert set(gates) == {"bitwise_panel", "bitwise_greedy"}, gates
+    assert all(g.passed and g.evidence["identical"] for g in gates.values()), gates
+    assert gates["bitwise_greedy"].evidence["baseline_deterministic"], gates["bitwise_greedy"]
+    assert gates["bitwise_panel"].evidence["compared"] == 229, gates["bitwise_panel"]    # all of dsv4-ci@1
+    assert gates["bitwise_greedy"].evidence["compared"] == 8 * 16, gates["bitwise_greedy"]  # 8 domains x 16

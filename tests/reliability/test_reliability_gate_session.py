@@ -50,7 +50,7 @@ def test_5xx_retried_with_backoff_then_the_gate_errors(tmp_path):
     gaps = [b.t - a.t for a, b in zip(calls, calls[1:])]
     assert all(g >= d - 0.01 for g, d in zip(gaps, (0.25, 0.5, 1.0))), gaps
     assert all(g < d + 2.0 for g, d in zip(gaps, (0.25, 0.5, 1.0))), gaps
-    assert "kl_panel" not in s.results                                         # no number from a dead engine
+    assert s.results.gate("kl_panel") is None                                  # no number from a dead engine
     assert "ERRORED gate (neither passed nor failed)" in s.output and "report:  not written" in s.output
     assert not (s.results_dir / "report.html").exists()
 
@@ -72,7 +72,7 @@ def test_malformed_answer_makes_the_gate_error_not_pass(tmp_path, body, kind):
     assert s.returncode == 1 and out["outcome"] == "error", out
     assert f"EngineResponseError: malformed engine response [{kind}]" in out["detail"], out["detail"]
     assert len(calls) == 1                                    # malformed answers are not retried
-    assert "kl_panel" not in s.results
+    assert s.results.gate("kl_panel") is None
 
 
 # ----------------------------------------------------------------------------------------------- hostile text + key
@@ -86,7 +86,9 @@ def test_model_output_gate(engine_client, gate_results):
 SECOND_GATE = '''
 def test_zz_tokenizer_gate(engine_client, gate_results):
     """Stand-in for a later gate: its engine call is refused with an error text the engine chose."""
-    gate_results.add("zz_partial", {"measured": 1})
+    from core.results import GateEntry
+
+    gate_results.add(GateEntry("zz_partial", None, metrics={"measured": 1}))
     engine_client.tokenize("hello")
 '''
 
@@ -134,9 +136,9 @@ def test_errored_gate_is_marked_and_earlier_results_kept(hostile_session):
     assert s.outcome("test_kl_panel_per_domain")["outcome"] == "passed"
     err = s.outcome("test_zz_tokenizer_gate")
     assert err["outcome"] == "error" and err["phase"] == "call" and "EngineRequestRejected" in err["detail"]
-    assert s.results["kl_panel"]["passed"] is True and s.results["zz_partial"] == {"measured": 1}
+    assert s.results.gate("kl_panel").passed is True and s.results.gate("zz_partial").metrics == {"measured": 1}
     # the verdict names the origin it rests on (the canned server's), never a credential
-    answered = s.results["kl_panel"]["answered_by"]
+    answered = s.results.gate("kl_panel").evidence["answered_by"]
     assert answered and len(answered) == 1 and answered[0].startswith("http://127.0.0.1:"), answered
     report = json.loads((s.results_dir / "report.json").read_text())
     section = report["extra"]["Gate outcomes"]

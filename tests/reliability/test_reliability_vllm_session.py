@@ -24,6 +24,7 @@ import time
 import pytest
 
 from core.records import Record
+from core.results import GateEntry
 from engine import launcher
 from engine.launcher import EngineServer, group_members
 from tests.reliability.helpers import (
@@ -42,6 +43,7 @@ def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
     import time
     from pathlib import Path
 
+    from core.results import GateEntry
     from engine.endpoint import score_engine
 
     Path(os.environ["DS41_TEST_STARTED"]).write_text("started")
@@ -49,7 +51,7 @@ def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
     while time.monotonic() < deadline:
         score_engine(engine_endpoint, encoded_panel, 5)
         rounds += 1
-        gate_results.add("zz_long_gate", {"rounds": rounds})
+        gate_results.add(GateEntry("zz_long_gate", None, metrics={"rounds": rounds}))
 '''
 
 
@@ -101,7 +103,7 @@ def test_killed_mid_gate_errors_keeps_partial_results_and_is_marked(killed_sessi
     assert err["outcome"] == "error" and err["phase"] == "call", err  # neither passed nor failed
     assert "EngineTransportError" in err["detail"] and "connection error" in err["detail"], err["detail"]
     # partial results: the first gate's numbers, the engine record and the outcomes survive the kill
-    assert s.results["kl_panel"]["passed"] == (first["outcome"] == "passed")
+    assert s.results.gate("kl_panel").passed == (first["outcome"] == "passed")
     rec = Record.load(s.results_dir / "engine-vllm-cpu-fp32.safetensors")
     assert rec.provenance.side == "engine" and rec.n_positions == smol_reference(RESUME_TOP_K).n_positions
     report = json.loads((s.results_dir / "report.json").read_text())
@@ -110,8 +112,8 @@ def test_killed_mid_gate_errors_keeps_partial_results_and_is_marked(killed_sessi
     assert "1 gate(s) ERRORED" in (s.results_dir / "report.html").read_text()
     assert "ERRORED gate (neither passed nor failed)" in s.output
     print(f"killed {killed}; session {s.wall_s:.0f} s; KL gate {first['outcome']} "
-          f"{s.results['kl_panel']['summary']}; long gate rounds before the kill: "
-          f"{s.results.get('zz_long_gate', {}).get('rounds', 0)}; error: {err['detail'][:300]}")
+          f"{s.results.gate('kl_panel').metrics}; long gate rounds before the kill: "
+          f"{(s.results.gate('zz_long_gate') or GateEntry('', None)).metrics.get('rounds', 0)}; error: {err['detail'][:300]}")
 
 
 @pytest.mark.timeout(1200)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from core.results import GateResults
 from tests.engine.test_client_malformed import vllm_generation_response
 from tests.reliability.helpers import (
     REPO, Canned, CannedServer, exact_reference, gate_session_env, plain_sequences, serve_vllm,
@@ -46,7 +47,9 @@ from gates.test_kl_panel import test_kl_panel_per_domain  # the real gate
 
 def test_refused_call_echoes_the_header(engine_client, gate_results):
     """The engine refuses a call and quotes the request's Authorization header in its error."""
-    gate_results.add("canary_partial", {"measured": 1})
+    from core.results import GateEntry
+
+    gate_results.add(GateEntry("canary_partial", None, metrics={"measured": 1}))
     engine_client.tokenize("hello")
 
 
@@ -248,7 +251,7 @@ def test_the_session_really_ran_every_path(canary_session):
         assert (cell / name).is_file(), name
     junit = (cell / "junit.xml").read_text()
     assert "test_kl_panel_per_domain" in junit and "test_refused_call_echoes_the_header" in junit
-    assert json.loads((cell / "results.json").read_text())["kl_panel"]["passed"] is True
+    assert GateResults.load(cell).gate("kl_panel").passed is True
     assert (s.work / "history.sqlite").is_file() and (run_dir / "nightly.json").is_file()
     assert s.procs["nightly --dry-run"].returncode == 0, _out(s.procs["nightly --dry-run"])
     ev = s.procs["eval"]

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from core.records import Record
+from core.results import GateResults
 from ds41gates import pipeline
 from ds41gates.cli import main
 from engine.launcher import PROFILES_DIR, ProfileError, load_profile
@@ -123,13 +124,14 @@ def test_demo_refuses_a_reused_out_before_any_work(tmp_path, capsys, monkeypatch
 
 STUB_GATES = '''
 import pytest
+from core.results import GateEntry
 pytestmark = [pytest.mark.gate]
 
 def test_one(gate_run):
-    gate_run.add("first", {"value": 1})
+    gate_run.add(GateEntry("first", True, metrics={"value": 1}))
 
 def test_two(gate_run):
-    gate_run.add("second", {"value": 2})
+    gate_run.add(GateEntry("second", True, metrics={"value": 2}))
 '''
 
 
@@ -156,9 +158,9 @@ def test_plugin_replace_results_keeps_one_run_and_rewrites_results_json_within_i
     proc = _plugin_session(tmp_path, folder, "--replace-results")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in folder.iterdir()) == [".ds41-results", "results.json"]
-    results = json.loads((folder / "results.json").read_text())
-    assert results["first"] == {"value": 1} and results["second"] == {"value": 2}   # both gates of this run
-    assert "kl_panel" not in results
+    results = GateResults.load(folder)
+    assert [(g.gate, g.metrics) for g in results.gates] == [("first", {"value": 1}), ("second", {"value": 2})]
+    assert results.gate("kl_panel") is None                                           # nothing of the earlier run
 
 
 def _real_session(work: Path, results: Path, reference: Path, url: str, *extra: str, profile: str = "vllm-cpu-fp32"):
@@ -191,8 +193,7 @@ def test_reused_results_of_a_real_gate_session_never_show_the_earlier_pass_repor
         assert refused.returncode == 4 and "folder is not empty" in refused.stderr, refused.stdout[-3000:]
         second = _real_session(tmp_path / "w3", results, reference, srv.url, "--replace-results")
     assert second.returncode == 1, second.stdout[-3000:]
-    data = json.loads((results / "results.json").read_text())
-    assert [o["outcome"] for o in data["gate_outcomes"].values()] == ["error"]
+    assert [o.outcome for o in GateResults.load(results).outcomes] == ["error"]
     # nothing of the PASS run is left: no report (this run has no engine record to report), no record
     assert not any((results / name).exists() for name in REPORT_FILES), sorted(os.listdir(results))
     assert not list(results.glob("engine-*.safetensors"))
@@ -391,7 +392,7 @@ def test_flags_results_on_a_json_list_is_one_line(tmp_path, capsys):
         path.write_text(json.dumps(doc))
         code, _, err = run_cli(capsys, "flags", "--results", str(path))
         line = one_line_error(err)
-        assert code == 2 and "not a gate run's results.json" in line and str(path) in line
+        assert code == 2 and "not a ds41-results/1 results file" in line and str(path) in line
 
 
 @pytest.mark.parametrize("argv", [

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from core.results import GateEntry
 from tests.core.recordkit import pair_of_records
 
 pytestmark = pytest.mark.gate
@@ -23,7 +24,8 @@ def test_fake_kl_panel(gate_run, request):
                                   noise=0.1 if mode == "green" else 0.6, domains=("a", "b", "c"))
     gate_run.reference = ref
     gate_run.engines.append((profile, eng))
-    gate_run.add("kl_panel", {"passed": True, "summary": {"kl_part_mean": 0.01 if mode == "green" else 0.2}})
+    gate_run.add(GateEntry("kl_panel", True, profile=profile,
+                           metrics={"kl_part_mean": 0.01 if mode == "green" else 0.2}))
 
 
 def test_fake_exact():
