@@ -36,8 +36,9 @@ import openai
 from core.records import Provenance, Record, SequenceScores
 from core.version import code_version
 from engine.adapters.base import (
-    Adapter, Generation, HttpTiming, JsonReply, PositionLogprobs, SequenceLogprobs, StreamedGeneration,
-    check_id_range, need, strict_json, usage_cached_tokens,
+    Adapter, Generation, GenerateOptions, HttpTiming, JsonReply, MetricsSnapshot, SequenceLogprobs, SseEvent,
+    StreamedGeneration,
+    check_id_range, need, strict_json,
 )
 from engine.errors import (
     EngineBodyRefused, EngineLimitExceeded, EngineRedirectRefused, EngineRequestRejected, EngineResponseError,
@@ -283,28 +284,6 @@ class EngineSource:
         return {"url": self.url, "model": self.model, "profile": self.profile, "flags": flags}
 
 
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """Parsed Prometheus text: ``families[name]`` → list of (sample name, labels, value)."""
-
-    families: dict[str, list[tuple[str, dict[str, str], float]]]
-    raw: str
-
-    def value(self, sample: str, **labels: str) -> float:
-        """Sum of the samples named ``sample`` whose labels include ``labels``; KeyError if none."""
-        found = [v for fam in self.families.values() for (n, lab, v) in fam
-                 if n == sample and all(lab.get(k) == x for k, x in labels.items())]
-        if not found:
-            raise KeyError(f"no metric sample {sample!r} with labels {labels} in /metrics")
-        return float(sum(found))
-
-
-@dataclass(frozen=True)
-class SseEvent:
-    t_s: float          # seconds after the request was sent
-    data: Any           # decoded JSON of the event
-
-
 # ---------------------------------------------------------------------------------------------- client
 class EngineClient:
     """Strict transport plus high-level calls. Thread-safe (one openai client, one connection pool)."""
@@ -468,62 +447,25 @@ class EngineClient:
         self._check_ids(token_ids, seq_id)
         return self.adapter.prompt_logprobs(self, seq_id, token_ids, k, cache_salt=cache_salt)
 
-    def generate(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc") -> Generation:
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc",
+                 options: GenerateOptions | None = None) -> Generation:
+        """Greedy generation with top-k logprobs through the adapter (``options``: salt, ignore_eos, extra)."""
         self._check_ids(prompt_ids, seq_id)
-        return self.adapter.generate(self, seq_id, prompt_ids, max_tokens, k)
+        return self.adapter.generate(self, seq_id, prompt_ids, max_tokens, k, options)
 
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, k: int, *, seq_id: str = "adhoc",
                cache_salt: str | None = None, ignore_eos: bool = False, extra: Mapping[str, Any] | None = None,
                on_tokens: Callable[[int], None] | None = None) -> StreamedGeneration:
-        """Greedy streamed generation (vLLM shape) with per-chunk arrival times (TTFT, inter-token).
+        """Greedy streamed generation with per-chunk arrival times (TTFT, inter-token), through the adapter
+        (UnsupportedSurface where the engine's adapter cannot stream).
 
         cache_salt: a fresh one unless given (a chosen salt lets the prefix cache hit on purpose);
         ignore_eos: generate exactly max_tokens (fixed-length gates); extra: more request-body fields;
         on_tokens(total): called after every chunk that carried tokens (e.g. to start a companion request
-        mid-decode). usage.prompt_tokens and usage.completion_tokens, when sent, must match what was sent
-        and what streamed."""
-        from engine.adapters import vllm as v
-
-        if getattr(self.adapter, "name", None) != "vllm":
-            raise UnsupportedSurface(f"streaming is implemented for the vLLM adapter, not {self.adapter.name!r}")
+        mid-decode)."""
         self._check_ids(prompt_ids, seq_id)
-        prompt_ids = [int(x) for x in prompt_ids]
-        salt = cache_salt if cache_salt is not None else v.fresh_salt()
-        body = v.generate_request(self.model, prompt_ids, max_tokens, k, salt, stream=True)
-        if ignore_eos:
-            body["ignore_eos"] = True
-        body.update(extra or {})
-        ids: list[int] = []
-        rows: list[PositionLogprobs] = []
-        text: list[str] = []
-        times: list[float] = []
-        counts: list[int] = []
-        finish = None
-        usage = None
-        for ev in self.stream_events(v.COMPLETIONS, body, seq_id=seq_id):
-            got, r, t, fin, u = v.parse_stream_chunk(ev.data, self.model, seq_id, len(prompt_ids) + len(ids), k,
-                                                     self.config.vocab_size)
-            ids += got
-            rows += r
-            text.append(t)
-            times.append(ev.t_s)
-            counts.append(len(got))
-            finish = fin or finish
-            usage = u if u is not None else usage
-            if got and on_tokens is not None:
-                on_tokens(len(ids))
-        prompt_tokens, cached = usage_cached_tokens(usage, seq_id)
-        if prompt_tokens is not None and prompt_tokens != len(prompt_ids):
-            raise EngineResponseError(Malformed.USAGE_MALFORMED,
-                                      f"usage.prompt_tokens {prompt_tokens} != {len(prompt_ids)} ids sent", seq_id)
-        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if completion is not None and completion != len(ids):
-            raise EngineResponseError(Malformed.USAGE_MALFORMED,
-                                      f"usage.completion_tokens {completion} but {len(ids)} ids streamed", seq_id)
-        gen = Generation(seq_id, tuple(prompt_ids), tuple(ids), tuple(rows), k, "vllm.completions.stream", "".join(text),
-                         finish, prompt_tokens, cached,
-                         HttpTiming(1, times[-1] if times else 0.0))
-        return StreamedGeneration(gen, tuple(times), tuple(counts))
+        options = GenerateOptions(cache_salt, True if ignore_eos else None, dict(extra or {}))
+        return self.adapter.stream(self, seq_id, prompt_ids, max_tokens, k, options, on_tokens)
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """vLLM ``POST /tokenize``; checks ``count`` against the list."""

@@ -1,9 +1,10 @@
-"""IO edge of the engine-behaviour gates: request shapes the gates need beyond EngineClient's defaults.
+"""IO edge of the engine-behaviour gates: the gates' defaults over the adapter of the profile's engine.
 
-The gates need fixed lengths (``ignore_eos``), chosen salts (prefix cache) and concurrent bursts.
-``stream`` is EngineClient.stream with those defaults and a send timestamp; ``complete`` builds the same
-vLLM body as the client (``engine.adapters.vllm.generate_request``) plus those fields and parses with the
-adapter's strict parser, so every reply is checked exactly like the client's own calls.
+The gates need fixed lengths (``ignore_eos``), chosen salts (prefix cache), streams with send timestamps,
+concurrent bursts and the server's own facts (context length, KV-cache settings). Every request shape is
+the adapter's (``engine/adapters``: ``generate`` with ``GenerateOptions``, ``stream``, ``max_model_len``,
+``cache_config``), so a gate speaks to whichever engine the profile serves, and an engine that cannot do
+what a gate asks says so (UnsupportedSurface: "... not supported by this engine").
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from engine.adapters import vllm as v
-from engine.adapters.base import Generation, HttpTiming, StreamedGeneration
+from engine.adapters.base import GenerateOptions, Generation, StreamedGeneration
 from engine.client import EngineClient
 
 
@@ -23,13 +23,8 @@ def complete(client: EngineClient, prompt_ids: Sequence[int], max_tokens: int, k
              salt: str | None = None, ignore_eos: bool = True, seq_id: str = "gate",
              extra: dict[str, Any] | None = None) -> Generation:
     """One greedy completion (temperature 0) with top-k logprobs; a fresh salt unless one is given."""
-    body = v.generate_request(client.model, list(map(int, prompt_ids)), max_tokens, k,
-                              salt if salt is not None else v.fresh_salt())
-    body["ignore_eos"] = ignore_eos
-    body.update(extra or {})
-    reply = client.post_json(v.COMPLETIONS, body, seq_id=seq_id)
-    gen = v.parse_generation(reply.data, list(map(int, prompt_ids)), k, client.model, seq_id, client.config.vocab_size)
-    return replace(gen, timing=HttpTiming(1, reply.elapsed_s))
+    return client.generate([int(t) for t in prompt_ids], max_tokens, k, seq_id=seq_id,
+                           options=GenerateOptions(cache_salt=salt, ignore_eos=ignore_eos, extra=dict(extra or {})))
 
 
 @dataclass(frozen=True)
@@ -72,19 +67,10 @@ def together(calls: Sequence[Callable[[], Any]], stagger_s: float = 0.0) -> list
 
 
 def max_model_len(client: EngineClient) -> int | None:
-    """``max_model_len`` from vLLM's /v1/models card (None when the engine does not say)."""
-    data = client.get_json("/v1/models").data.get("data") or []
-    for m in data:
-        if isinstance(m, dict) and m.get("id") == client.model and isinstance(m.get("max_model_len"), int):
-            return int(m["max_model_len"])
-    return None
+    """The server's context length, as its adapter reads it (None when the engine does not say)."""
+    return client.adapter.max_model_len(client)
 
 
 def cache_config(client: EngineClient) -> dict[str, str]:
-    """Labels of vLLM's ``vllm:cache_config_info`` gauge (block_size, enable_prefix_caching, …); {} if absent."""
-    snap = client.metrics()
-    for fam in snap.families.values():
-        for name, labels, _ in fam:
-            if name == "vllm:cache_config_info":
-                return dict(labels)
-    return {}
+    """The server's KV-cache settings (block_size, enable_prefix_caching, …), as its adapter reads them."""
+    return client.adapter.cache_config(client)

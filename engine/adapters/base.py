@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 from core.records import CLAMP_LOGPROB
-from engine.errors import EngineResponseError, Malformed
+from engine.errors import EngineResponseError, Malformed, UnsupportedSurface
 
 
 KeyedBy = Literal["id", "string"]
@@ -111,8 +111,44 @@ class JsonReply:
     url: str
 
 
+@dataclass(frozen=True)
+class SseEvent:
+    t_s: float          # seconds after the request was sent
+    data: Any           # decoded JSON of the event
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Parsed Prometheus text: ``families[name]`` → list of (sample name, labels, value)."""
+
+    families: dict[str, list[tuple[str, dict[str, str], float]]]
+    raw: str
+
+    def value(self, sample: str, **labels: str) -> float:
+        """Sum of the samples named ``sample`` whose labels include ``labels``; KeyError if none."""
+        found = [v for fam in self.families.values() for (n, lab, v) in fam
+                 if n == sample and all(lab.get(k) == x for k, x in labels.items())]
+        if not found:
+            raise KeyError(f"no metric sample {sample!r} with labels {labels} in /metrics")
+        return float(sum(found))
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What a behaviour gate asks of one greedy generation beyond prompt, length and k.
+
+    ``cache_salt``: the prefix-cache namespace; None = a fresh one, so no request reads another's cache
+    (engines.md §10 rule 8); a chosen salt lets a later request hit the cache on purpose (the prefix-cache
+    gate). ``ignore_eos``: True generates exactly ``max_tokens`` (fixed-length gates); None leaves the
+    engine's default and sends nothing. ``extra``: engine-specific request fields, sent as given."""
+
+    cache_salt: str | None = None
+    ignore_eos: bool | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Transport(Protocol):
-    """What adapters need from the client: strict JSON POST/GET with retries and timing."""
+    """What adapters need from the client: strict JSON POST/GET with retries and timing, SSE streams, metrics."""
 
     model: str
 
@@ -120,8 +156,16 @@ class Transport(Protocol):
 
     def get_json(self, path: str) -> JsonReply: ...
 
+    def stream_events(self, path: str, body: Mapping[str, Any], *,
+                      seq_id: str | None = None) -> Iterator[SseEvent]: ...
+
+    def metrics(self) -> MetricsSnapshot: ...
+
 
 class Adapter(Protocol):
+    """One engine's request and response shapes. What an engine cannot do raises UnsupportedSurface
+    ("... not supported by this engine"), never a silent stand-in."""
+
     name: str
     keyed_by: KeyedBy
 
@@ -129,7 +173,53 @@ class Adapter(Protocol):
                         cache_salt: str | None = None) -> SequenceLogprobs: ...
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int,
-                 k: int) -> Generation: ...
+                 k: int, options: GenerateOptions | None = None) -> Generation: ...
+
+    def stream(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+               options: GenerateOptions | None = None,
+               on_tokens: Callable[[int], None] | None = None) -> StreamedGeneration:
+        """Greedy streamed generation with per-chunk arrival times; ``on_tokens(total)`` after every chunk
+        that carried tokens (e.g. to start a companion request mid-decode)."""
+        ...
+
+    def max_model_len(self, transport: Transport) -> int | None:
+        """The server's context length; None when the engine does not say."""
+        ...
+
+    def cache_config(self, transport: Transport) -> dict[str, str]:
+        """The server's KV-cache settings (block_size, enable_prefix_caching, ...); {} when it does not say."""
+        ...
+
+
+def unsupported(engine: str, what: str) -> UnsupportedSurface:
+    return UnsupportedSurface(f"{what} is not supported by this engine ({engine})")
+
+
+def plain_options(engine: str, options: GenerateOptions | None) -> GenerateOptions:
+    """``options`` (or the defaults) for an engine without per-request cache namespaces: its requests never
+    reuse another's cache, as a fresh salt would not; a chosen salt, asked to make a hit, cannot be kept."""
+    o = options or GenerateOptions()
+    if o.cache_salt is not None:
+        raise unsupported(engine, f"a chosen cache salt ({o.cache_salt!r}: a per-request prefix-cache namespace)")
+    return o
+
+
+class WithoutServerSurfaces:
+    """The behaviour gates' surfaces an adapter's engine does not offer, each a clear UnsupportedSurface; an
+    adapter inherits this and overrides what its engine does offer."""
+
+    name: str
+
+    def stream(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+               options: GenerateOptions | None = None,
+               on_tokens: Callable[[int], None] | None = None) -> StreamedGeneration:
+        raise unsupported(self.name, "streamed generation")
+
+    def max_model_len(self, transport: Transport) -> int | None:
+        raise unsupported(self.name, "reading the server's context length")
+
+    def cache_config(self, transport: Transport) -> dict[str, str]:
+        raise unsupported(self.name, "reading the server's KV-cache settings")
 
 
 # ---------------------------------------------------------------------------------------------- strict JSON

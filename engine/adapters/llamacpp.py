@@ -62,8 +62,8 @@ import threading
 from typing import Callable, Mapping, Any, Sequence
 
 from engine.adapters.base import (
-    Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, logprob_value, need,
-    single_choice, token_id, usage_cached_tokens,
+    Generation, GenerateOptions, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, WithoutServerSurfaces,
+    check_model, logprob_value, need, plain_options, single_choice, token_id, usage_cached_tokens,
 )
 from engine.errors import EngineResponseError, Malformed, TokenRoundTripError, UnsupportedSurface
 
@@ -161,7 +161,10 @@ def _withheld_partial_token(data: Any, n_prompt: int) -> int | None:
     return tid if isinstance(tid, int) and not isinstance(tid, bool) else None
 
 
-class LlamaServerAdapter:
+class LlamaServerAdapter(WithoutServerSurfaces):
+    """llama-server: prompt logprobs from token-id prefixes, greedy generation (``ignore_eos`` and extra fields
+    as given; no per-request cache salt), its context length from /props; no streaming, no cache settings."""
+
     name = "llama-server"
     keyed_by = "id"
     # llama-server folds the tokens of one incomplete UTF-8 character (byte-fallback tokens of an emoji) into
@@ -268,10 +271,14 @@ class LlamaServerAdapter:
                                   "vocabulary", seq_id, pos)
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
-                 **_: Any) -> Generation:
+                 options: GenerateOptions | None = None) -> Generation:
+        o = plain_options(self.name, options)
         prompt = [int(t) for t in prompt_ids]
         body = {"prompt": prompt, "n_predict": max_tokens, "n_probs": k, "temperature": 0, "cache_prompt": False,
                 "return_tokens": True, "post_sampling_probs": False}
+        if o.ignore_eos is not None:
+            body["ignore_eos"] = o.ignore_eos
+        body.update(o.extra)
         reply = transport.post_json(COMPLETION, body, seq_id=seq_id)
         data = reply.data
         if k == 0:   # ids only: the generated ids as the server lists them, no per-position logprobs
@@ -301,8 +308,15 @@ class LlamaServerAdapter:
                           len(prompt), None, HttpTiming(1, reply.elapsed_s))
 
 
+    def max_model_len(self, transport: Transport) -> int | None:
+        """The slots' context (``default_generation_settings.n_ctx`` of /props)."""
+        settings = transport.get_json("/props").data.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        return n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) else None
+
+
 # ============================================================================================== llama-cpp-python
-class LlamaCppPythonAdapter:
+class LlamaCppPythonAdapter(WithoutServerSurfaces):
     name = "llama-cpp-python"
     keyed_by = "string"
     surface = "llama-cpp-python.completions.echo-shifted"
@@ -535,6 +549,6 @@ class LlamaCppPythonAdapter:
         return lp, rank, timing
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
-                 **_: Any) -> Generation:
+                 options: GenerateOptions | None = None) -> Generation:
         raise UnsupportedSurface("llama-cpp-python reports no token ids for generated positions (engines.md §6); "
                                  "generate on llama-server or vLLM instead")

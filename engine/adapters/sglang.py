@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from engine.adapters.base import (
-    Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, logprob_value, need, token_id,
+    Generation, GenerateOptions, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, WithoutServerSurfaces,
+    logprob_value, need, plain_options, token_id,
 )
 from engine.errors import EngineResponseError, Malformed
 
@@ -163,7 +164,7 @@ def parse_generation(data: Any, prompt: Sequence[int], k: int, seq_id: str | Non
                       data.get("text") or "", finish, meta.get("prompt_tokens"), cached)
 
 
-class SglangAdapter:
+class SglangAdapter(WithoutServerSurfaces):
     name = "sglang"
     keyed_by = "id"
     surface = "sglang.generate.input_logprobs"
@@ -185,9 +186,13 @@ class SglangAdapter:
                                 HttpTiming(1, reply.elapsed_s), cached)
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
-                 **_: Any) -> Generation:
+                 options: GenerateOptions | None = None) -> Generation:
+        o = plain_options(self.name, options)
         body = prompt_request(prompt_ids, k, max_new_tokens=max_tokens)
         body["logprob_start_len"] = -1
+        if o.ignore_eos is not None:
+            body["sampling_params"]["ignore_eos"] = o.ignore_eos
+        body.update(o.extra)
         reply = transport.post_json(GENERATE, body, seq_id=seq_id)
         try:
             gen = parse_generation(reply.data, prompt_ids, k, seq_id, self.vocab_size)

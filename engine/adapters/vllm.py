@@ -7,17 +7,22 @@
   ``return_token_ids`` (the generated ids as a list), temperature 0.
 * every request carries a fresh random ``cache_salt`` unless the caller passes one, so no request reads
   another's prefix cache (§10 rule 8).
+* the behaviour gates' shapes: greedy generation with ``ignore_eos`` and chosen salts (``GenerateOptions``),
+  the same request streamed (SSE, ``stream_options.include_usage``), and the server's facts: ``max_model_len``
+  from the /v1/models card, the KV-cache settings from the ``vllm:cache_config_info`` gauge in /metrics.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Mapping, Sequence
 
 from core.records import CLAMP_LOGPROB
 from engine.adapters.base import (
-    Generation, HttpTiming, PositionLogprobs, SequenceLogprobs, Transport, check_model, check_same_ids,
-    logprob_value, need, parse_id_key, single_choice, split_topk, token_id, usage_cached_tokens,
+    Generation, GenerateOptions, HttpTiming, PositionLogprobs, SequenceLogprobs, StreamedGeneration, Transport,
+    check_model, check_same_ids, logprob_value, need, parse_id_key, single_choice, split_topk, token_id,
+    usage_cached_tokens,
 )
 from engine.errors import EngineResponseError, Malformed
 
@@ -41,7 +46,8 @@ def prompt_request(model: str, token_ids: Sequence[int], k: int, cache_salt: str
 
 
 def generate_request(model: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
-                     cache_salt: str | None, stream: bool = False) -> dict[str, Any]:
+                     cache_salt: str | None, stream: bool = False, ignore_eos: bool | None = None,
+                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
         "logprobs": k, "return_tokens_as_token_ids": True, "return_token_ids": True,
@@ -51,6 +57,9 @@ def generate_request(model: str, prompt_ids: Sequence[int], max_tokens: int, k: 
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
+    if ignore_eos is not None:
+        body["ignore_eos"] = ignore_eos
+    body.update(extra or {})
     return body
 
 
@@ -247,17 +256,71 @@ class VllmAdapter:
                                 HttpTiming(1, reply.elapsed_s), cached)
 
     def generate(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
-                 *, cache_salt: str | None = None) -> Generation:
-        salt = cache_salt if cache_salt is not None else fresh_salt()
-        reply = transport.post_json(COMPLETIONS, generate_request(transport.model, prompt_ids, max_tokens, k, salt),
-                                    seq_id=seq_id)
+                 options: GenerateOptions | None = None) -> Generation:
+        o = options or GenerateOptions()
+        salt = o.cache_salt if o.cache_salt is not None else fresh_salt()
+        body = generate_request(transport.model, prompt_ids, max_tokens, k, salt, ignore_eos=o.ignore_eos,
+                                extra=o.extra)
+        reply = transport.post_json(COMPLETIONS, body, seq_id=seq_id)
         try:
             gen = parse_generation(reply.data, prompt_ids, k, transport.model, seq_id, self.vocab_size)
         except EngineResponseError as exc:
             raise exc.at(seq_id, reply.url) from None
-        return _with_timing(gen, HttpTiming(1, reply.elapsed_s))
+        return replace(gen, timing=HttpTiming(1, reply.elapsed_s))
 
+    def stream(self, transport: Transport, seq_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int,
+               options: GenerateOptions | None = None,
+               on_tokens: Callable[[int], None] | None = None) -> StreamedGeneration:
+        """The generation request streamed; usage.prompt_tokens and usage.completion_tokens, when sent, must
+        match what was sent and what streamed."""
+        o = options or GenerateOptions()
+        prompt_ids = [int(x) for x in prompt_ids]
+        salt = o.cache_salt if o.cache_salt is not None else fresh_salt()
+        body = generate_request(transport.model, prompt_ids, max_tokens, k, salt, stream=True,
+                                ignore_eos=o.ignore_eos, extra=o.extra)
+        ids: list[int] = []
+        rows: list[PositionLogprobs] = []
+        text: list[str] = []
+        times: list[float] = []
+        counts: list[int] = []
+        finish = None
+        usage = None
+        for ev in transport.stream_events(COMPLETIONS, body, seq_id=seq_id):
+            got, r, t, fin, u = parse_stream_chunk(ev.data, transport.model, seq_id, len(prompt_ids) + len(ids), k,
+                                                   self.vocab_size)
+            ids += got
+            rows += r
+            text.append(t)
+            times.append(ev.t_s)
+            counts.append(len(got))
+            finish = fin or finish
+            usage = u if u is not None else usage
+            if got and on_tokens is not None:
+                on_tokens(len(ids))
+        prompt_tokens, cached = usage_cached_tokens(usage, seq_id)
+        if prompt_tokens is not None and prompt_tokens != len(prompt_ids):
+            raise EngineResponseError(Malformed.USAGE_MALFORMED,
+                                      f"usage.prompt_tokens {prompt_tokens} != {len(prompt_ids)} ids sent", seq_id)
+        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if completion is not None and completion != len(ids):
+            raise EngineResponseError(Malformed.USAGE_MALFORMED,
+                                      f"usage.completion_tokens {completion} but {len(ids)} ids streamed", seq_id)
+        gen = Generation(seq_id, tuple(prompt_ids), tuple(ids), tuple(rows), k, "vllm.completions.stream",
+                         "".join(text), finish, prompt_tokens, cached, HttpTiming(1, times[-1] if times else 0.0))
+        return StreamedGeneration(gen, tuple(times), tuple(counts))
 
-def _with_timing(gen: Generation, timing: HttpTiming) -> Generation:
-    from dataclasses import replace
-    return replace(gen, timing=timing)
+    def max_model_len(self, transport: Transport) -> int | None:
+        """``max_model_len`` from the served model's /v1/models card."""
+        data = transport.get_json("/v1/models").data.get("data") or []
+        for m in data:
+            if isinstance(m, dict) and m.get("id") == transport.model and isinstance(m.get("max_model_len"), int):
+                return int(m["max_model_len"])
+        return None
+
+    def cache_config(self, transport: Transport) -> dict[str, str]:
+        """Labels of the ``vllm:cache_config_info`` gauge (block_size, enable_prefix_caching, ...)."""
+        for fam in transport.metrics().families.values():
+            for name, labels, _ in fam:
+                if name == "vllm:cache_config_info":
+                    return dict(labels)
+        return {}

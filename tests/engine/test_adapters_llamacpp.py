@@ -266,6 +266,23 @@ def test_llama_server_generation_has_ids(llama_server):
 
 
 @pytest.mark.engine
+def test_llama_server_gate_surfaces_on_the_real_server(llama_server):
+    """The behaviour gates' seam on the real server: its context from /props (the profile's --ctx-size 2048),
+    ignore_eos generating exactly max_tokens, and a clear refusal for what llama-server does not offer."""
+    from engine.adapters.base import GenerateOptions
+    from engine.errors import UnsupportedSurface
+    from gates import _engine
+
+    assert _engine.max_model_len(llama_server) == 2048
+    g = _engine.complete(llama_server, CANARY, 6, 1, seq_id="fixed")       # ignore_eos=True, the gates' default
+    assert len(g.token_ids) == 6
+    with pytest.raises(UnsupportedSurface, match="not supported by this engine"):
+        llama_server.generate(CANARY, 2, 1, options=GenerateOptions(cache_salt="s"))
+    with pytest.raises(UnsupportedSurface, match="not supported by this engine"):
+        _engine.cache_config(llama_server)
+
+
+@pytest.mark.engine
 def test_llama_server_ids_only_generation_gives_the_same_ids(llama_server):
     with_probs = llama_server.generate(CANARY, 12, 1, seq_id="ids-k1")
     ids_only = llama_server.generate(CANARY, 12, LlamaServerAdapter.ids_only_k, seq_id="ids-k0")

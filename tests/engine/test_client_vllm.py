@@ -120,10 +120,12 @@ def test_cache_salt_controls_prefix_cache_hits(client):
     """Same salt → prefix-cache hit (whole 128-token CPU blocks); fresh salt → cold. vLLM never *reads* the
     prefix cache for prompt_logprobs requests, so prompt scoring is a cold prefill whatever the salt."""
     ids = client.tokenize("A long and winding sentence about rivers, mountains and the sea, " * 30)[:300]
+    from engine.adapters.base import GenerateOptions
+
     salt = "ds41-test-" + uuid.uuid4().hex
     gen = client.adapter.generate
-    assert gen(client, "warm", ids, 1, 1, cache_salt=salt).cached_tokens == 0
-    assert gen(client, "hit", ids, 1, 1, cache_salt=salt).cached_tokens == 256
+    assert gen(client, "warm", ids, 1, 1, GenerateOptions(cache_salt=salt)).cached_tokens == 0
+    assert gen(client, "hit", ids, 1, 1, GenerateOptions(cache_salt=salt)).cached_tokens == 256
     assert gen(client, "cold", ids, 1, 1).cached_tokens == 0                  # fresh random salt
     assert client.prompt_logprobs(ids, 1, seq_id="plp", cache_salt=salt).cached_tokens == 0
 
