@@ -14,8 +14,8 @@ transformers oracle. Paths in the table are relative to the repository root.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 

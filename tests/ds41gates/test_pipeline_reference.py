@@ -39,8 +39,8 @@ def test_the_transformers_reference_is_saved_once_under_its_weights_hash(tmp_pat
 
 
 def test_the_deepseek_reference_is_saved_once_under_the_checkpoint_identity(tmp_path, monkeypatch):
-    import oracle.dsv41.runner as runner
     from engine.dsv4_model import ensure_dsv4_tiny
+    from oracle.dsv41 import runner
     from oracle.dsv41.checkpoint import Checkpoint
     from oracle.hf import model_hash
 
@@ -54,7 +54,7 @@ def test_the_deepseek_reference_is_saved_once_under_the_checkpoint_identity(tmp_
         return built
 
     monkeypatch.setattr(runner, "run_panel", run_panel)
-    ref, path = pipeline.ensure_reference(ENC, model_dir, oracle="deepseek")
+    _, path = pipeline.ensure_reference(ENC, model_dir, oracle="deepseek")
     identity = runner.checkpoint_identity(Checkpoint(model_dir))   # the provenance's checkpoint_hash
     assert built.saved == [path] and calls == [(model_dir, "fp32", 1, pipeline.ORACLE_TOP_K)]
     assert path.name == f"unit@1-aaaaaaaaaaaa-tokbbbbbbbbbbbb-deepseek-{identity[:12]}-fp32-k256.safetensors"

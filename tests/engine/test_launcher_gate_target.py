@@ -15,7 +15,12 @@ from engine.profiles import (
     load_profile,
     parse_profile,
 )
-from engine.target import check_gate_target, gate_sizes, gate_target, resolve_gate_target
+from engine.target import (
+    check_gate_target,
+    gate_sizes,
+    gate_target,
+    resolve_gate_target,
+)
 
 BASE = {"command": ["{python}", "-c", "pass"]}
 DSV4 = {"model": "dsv4_tiny_dir", "panel": "dsv4-ci", "tokenizer": "deepseek", "oracle": "deepseek",
