@@ -26,13 +26,14 @@ from engine.adapters import vllm as v
 from engine.adapters.base import HttpTiming, SequenceLogprobs
 from engine.client import EngineClient, EngineSource, to_sequence_scores
 from engine.errors import EngineResponseError, Malformed
-from panels.images import EncodedImagePanel, ImageItem, ImagePanel, openai_messages, openai_tools
+from panels.images import openai_messages, openai_tools
+from panels.model import EncodedPanel, Panel, PanelItem
 
 CHAT = "/v1/chat/completions"
 SURFACE = "vllm.chat.prompt_logprobs"
 
 
-def chat_body(model: str, messages: list[dict[str, Any]], item: ImageItem, *, max_tokens: int,
+def chat_body(model: str, messages: list[dict[str, Any]], item: PanelItem, *, max_tokens: int,
               prompt_logprobs: int | None, add_generation_prompt: bool, salt: str | None,
               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -68,7 +69,7 @@ def parse_chat_prompt_logprobs(data: Any, sent: Sequence[int], k: int, model: st
     return v.parse_prompt_logprobs(shaped, sent, k, model, seq_id, vocab_size)
 
 
-def image_prompt_logprobs(client: EngineClient, panel: ImagePanel, item: ImageItem, sent: Sequence[int], k: int,
+def image_prompt_logprobs(client: EngineClient, panel: Panel, item: PanelItem, sent: Sequence[int], k: int,
                           *, salt: str | None = None) -> SequenceLogprobs:
     body = chat_body(client.model, openai_messages(panel, item), item, max_tokens=1, prompt_logprobs=k,
                      add_generation_prompt=False, salt=salt)
@@ -81,18 +82,17 @@ def image_prompt_logprobs(client: EngineClient, panel: ImagePanel, item: ImageIt
                             HttpTiming(1, reply.elapsed_s), cached)
 
 
-def score_image_panel(client: EngineClient, enc: EncodedImagePanel, panel: ImagePanel, k: int,
+def score_image_panel(client: EngineClient, enc: EncodedPanel, panel: Panel, k: int,
                       source: EngineSource) -> Record:
     """Every sequence of the encoded image panel through the chat API, one request each -> engine record."""
     t0 = time.perf_counter()
     scores, timing = [], HttpTiming()
-    for item_enc in enc.items:
-        seq = item_enc.sequence
+    for seq in enc.sequences:
         got = image_prompt_logprobs(client, panel, panel.item(seq.seq_id), seq.token_ids, k)
         timing = timing + got.timing
         scores.append(to_sequence_scores(seq, got))
-    prov = Provenance(side="engine", panel_name=enc.panel.panel_name, panel_version=str(enc.panel.panel_version),
-                      panel_hash=enc.panel.panel_hash, tokenizer_hash=enc.panel.tokenizer_hash,
+    prov = Provenance(side="engine", panel_name=enc.panel_name, panel_version=str(enc.panel_version),
+                      panel_hash=enc.panel_hash, tokenizer_hash=enc.tokenizer_hash,
                       source=source.as_source(), precision=source.precision, code_version=code_version(),
                       created=Provenance.now(),
                       extra={"adapter": "vllm", "surface": [SURFACE], "keyed_by": ["id"], "k_requested": k,
@@ -101,7 +101,7 @@ def score_image_panel(client: EngineClient, enc: EncodedImagePanel, panel: Image
     return Record.from_sequences(prov, scores, k=k)
 
 
-def greedy_reply(client: EngineClient, panel: ImagePanel, item: ImageItem, max_tokens: int) -> tuple[list[int], str, list[int]]:
+def greedy_reply(client: EngineClient, panel: Panel, item: PanelItem, max_tokens: int) -> tuple[list[int], str, list[int]]:
     """The engine's greedy reply to the item's messages before its last (assistant) one: (ids, text, prompt ids).
     Exactly `max_tokens` tokens (``ignore_eos``), so it compares with an oracle continuation of that length."""
     body = chat_body(client.model, openai_messages(panel, item, upto=len(item.messages) - 1), item,

@@ -124,7 +124,7 @@ def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_
     _, gate = _judge(records["ref"], eng, f"{PROFILE} text-only")
     assert gate.passed, "text-only prompts on the vision server failed:\n" + "\n".join(gate.failures)
     # the same ids through the plain text path (/v1/completions: no chat template, no multimodal processor)
-    enc = vlm["enc"].panel
+    enc = vlm["enc"]
     text_panel = dataclasses.replace(enc, sequences=tuple(s for s in enc.sequences if s.seq_id in records["text_ids"]))
     ep = vlm["endpoint"]
     plain = score_panel(vlm["client"], text_panel, K, EngineSource(ep.base_url, ep.model, ep.profile,
@@ -148,12 +148,9 @@ def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_
 ], ids=["imagenet-mean-std", "bilinear-resize"])
 def test_wrong_image_preprocessing_on_the_oracle_side_is_caught(vlm, records, wrong, gate_results):
     from oracle.hf_vision import HFVisionOracle
-    from panels.images import EncodedImagePanel
 
     enc = vlm["enc"]
-    keep = tuple(s for s in enc.items if s.seq_id in records["image_ids"])
-    only_images = EncodedImagePanel(dataclasses.replace(enc.panel, sequences=tuple(s.sequence for s in keep)),
-                                    keep, enc.layout)
+    only_images = dataclasses.replace(enc, sequences=tuple(s for s in enc.sequences if s.seq_id in records["image_ids"]))
     bad = HFVisionOracle.load(vlm["model_dir"], processor_overrides=wrong)
     bad_ref = bad.score(only_images, vlm["panel"])
     _, gate = _judge(bad_ref, records["eng"].subset(records["image_ids"]), f"{PROFILE} wrong {sorted(wrong)}")
@@ -176,15 +173,15 @@ def test_request_shape_and_alignment_against_the_real_server(vlm):
 
     panel, enc, lay = vlm["panel"], vlm["enc"], vlm["layout"]
     tool_item = panel.item("img-tool-screenshot")
-    tool_seq = next(s for s in enc.items if s.seq_id == tool_item.id)
-    got = image_prompt_logprobs(vlm["client"], panel, tool_item, tool_seq.sequence.token_ids, 1)
-    assert got.token_ids == tool_seq.sequence.token_ids
+    tool_seq = next(s for s in enc.sequences if s.seq_id == tool_item.id)
+    got = image_prompt_logprobs(vlm["client"], panel, tool_item, tool_seq.token_ids, 1)
+    assert got.token_ids == tool_seq.token_ids
     # the image sits inside the tool message: after the "tool" role header, before the final assistant turn
     tok = vlm["tok"].tokenizer
-    text_before = tok.decode(list(tool_seq.sequence.token_ids[:tool_seq.spans[0].start]), skip_special_tokens=False)
+    text_before = tok.decode(list(tool_seq.token_ids[:tool_seq.spans[0].start]), skip_special_tokens=False)
     assert text_before.rstrip().endswith("Screenshot of the editor:") and "<|im_start|>tool" in text_before
     two = panel.item("img-two-photos")
-    assert len(next(s for s in enc.items if s.seq_id == two.id).spans) == 2
+    assert len(next(s for s in enc.sequences if s.seq_id == two.id).spans) == 2
     short = FixedSpanLayout("short", lay.image_token_id, lay.tokens_per_image - 1, lay.prefix, lay.suffix)
     ids, _ = encode_image_messages(two, panel.images, vlm["tok"], short)
     with pytest.raises(EngineResponseError) as exc:

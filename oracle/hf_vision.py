@@ -29,7 +29,8 @@ import numpy as np
 from core.records import Record, SequenceScores
 from oracle.hf import _deterministic, model_hash, weight_files
 from oracle.scoring import OracleError, oracle_provenance, sequence_scores
-from panels.images import EncodedImagePanel, ImagePanel, ImageSpanRef, PanelImage
+from panels.images import PanelImage
+from panels.model import EncodedPanel, ImageSpanRef, Panel
 
 
 @dataclass
@@ -150,22 +151,21 @@ class HFVisionOracle:
             seq.append(nxt)
         return out
 
-    def score(self, enc: EncodedImagePanel, panel: ImagePanel, top_k: int = 256, full_vocab: bool = False) -> Record:
+    def score(self, enc: EncodedPanel, panel: Panel, top_k: int = 256, full_vocab: bool = False) -> Record:
         """Every scored position of every sequence, as an oracle record (the record seam)."""
-        if enc.panel.panel_hash != panel.content_hash:
-            raise OracleError(f"encoded panel {enc.panel.panel_name} hash {enc.panel.panel_hash} is not "
+        if enc.panel_hash != panel.content_hash:
+            raise OracleError(f"encoded panel {enc.panel_name} hash {enc.panel_hash} is not "
                               f"panel {panel.ref}'s {panel.content_hash}")
         t0 = time.perf_counter()
         scores: list[SequenceScores] = []
-        for item in enc.items:
-            seq = item.sequence
-            logits = self.logits(seq.token_ids, item.spans, panel.images, seq.seq_id)
+        for seq in enc.sequences:
+            logits = self.logits(seq.token_ids, seq.spans, panel.images, seq.seq_id)
             scores.append(sequence_scores(seq, logits, top_k, full_vocab))
         import torch
         import transformers
 
         prov = oracle_provenance(
-            enc.panel, precision="fp32", vocab_size=self.vocab_size,
+            enc, precision="fp32", vocab_size=self.vocab_size,
             source={"model_dir": str(self.model_dir.resolve()), "model_hash": self.model_hash,
                     "weight_files": [f.name for f in weight_files(self.model_dir)]},
             extra={"oracle": "oracle.hf_vision", "top_k": top_k, "log_softmax_dtype": "float64",

@@ -11,6 +11,10 @@ changes it and re-compressing a PNG does not. Loading refuses a mismatch, as tex
 
 An item's messages hold parts: ``{"type": "text", "text": ...}`` or ``{"type": "image", "file": NAME.png}``;
 a tool message may hold images (a screenshot a tool returned). The last message is the assistant reply.
+Loaded, an image panel is the one panel model of ``panels/model.py``: a ``Panel`` whose ``images`` map file
+names to ``PanelImage``, chat ``PanelItem``s (score policy ``after_images``, optional ``readback``) whose
+``Message`` content is a tuple of ``TextPart`` / ``ImagePart``, and an ``EncodedPanel`` whose sequences carry
+their image spans. This module keeps what is image-specific: pixels, their hash, the image store, the layout.
 
 Encoding (``encode_image_panel``): each image part becomes the span ``layout.span_ids(image)`` gives (the
 model's own rule: Idefics3's markers around a fixed run of image ids, DeepSeek-V4.1's ``image_token_id`` run
@@ -27,14 +31,15 @@ import hashlib
 import io
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from core.domains import DOMAINS
-from panels.model import EncodedPanel, EncodedSequence, Message, PanelError, PanelHashMismatch, ToolCall, ToolSpec
+from panels.model import (EncodedPanel, EncodedSequence, ImagePart, ImageSpanRef, Message, Panel, PanelError,
+                          PanelHashMismatch, PanelItem, Part, TextPart, ToolCall, ToolSpec)
 from panels.store import DATA_DIR, canonical_json
 from panels.store import _check_keys as _keys, _need   # the text panels' field checks
 from panels.tokenizers import PanelTokenizer
@@ -89,96 +94,16 @@ def pixels_sha256(rgb: np.ndarray) -> str:
     return "sha256:" + h.hexdigest()
 
 
-@dataclass(frozen=True)
-class TextPart:
-    text: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "text", "text": self.text}
+def image_item_json(item: PanelItem) -> dict[str, Any]:
+    """An image item as its panel file writes it (no kind or score: every image item is a chat scored after
+    its images)."""
+    return {k: v for k, v in item.to_json().items() if k not in ("kind", "score")}
 
 
-@dataclass(frozen=True)
-class ImagePart:
-    file: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "image", "file": self.file}
-
-
-Part = TextPart | ImagePart
-
-
-@dataclass(frozen=True)
-class ImageMessage:
-    role: str
-    parts: tuple[Part, ...]
-    tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: str | None = None
-
-    @property
-    def images(self) -> tuple[str, ...]:
-        return tuple(p.file for p in self.parts if isinstance(p, ImagePart))
-
-    def text(self) -> str:
-        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
-
-    def to_json(self) -> dict[str, Any]:
-        if self.role == "assistant":
-            out: dict[str, Any] = {"role": "assistant", "content": self.text()}
-        else:
-            out = {"role": self.role, "content": [p.to_json() for p in self.parts]}
-        if self.tool_calls:
-            out["tool_calls"] = [c.to_json() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-@dataclass(frozen=True)
-class ImageItem:
-    id: str
-    domain: str
-    messages: tuple[ImageMessage, ...]
-    tools: tuple[ToolSpec, ...] = ()
-    readback: str | None = None   # the string rendered in the item's image (the read-back check)
-
-    @property
-    def images(self) -> tuple[str, ...]:
-        return tuple(f for m in self.messages for f in m.images)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "domain": self.domain, "messages": [m.to_json() for m in self.messages]}
-        if self.tools:
-            out["tools"] = [t.to_json() for t in self.tools]
-        if self.readback is not None:
-            out["readback"] = self.readback
-        return out
-
-
-@dataclass(frozen=True)
-class ImagePanel:
-    name: str
-    version: int
-    content_hash: str
-    items: tuple[ImageItem, ...]
-    images: Mapping[str, PanelImage] = field(repr=False, compare=False)
-    description: str = ""
-
-    @property
-    def ref(self) -> str:
-        return f"{self.name}@{self.version}"
-
-    def item(self, item_id: str) -> ImageItem:
-        for it in self.items:
-            if it.id == item_id:
-                return it
-        raise PanelError(f"panel {self.ref}: no item {item_id!r}")
-
-
-def image_panel_hash(items: Sequence[ImageItem], images: Mapping[str, PanelImage]) -> str:
+def image_panel_hash(items: Sequence[PanelItem], images: Mapping[str, PanelImage]) -> str:
     """sha256 over the canonical JSON of the items and of every used image's pixel hash."""
     used = sorted({f for it in items for f in it.images})
-    doc = {"items": [i.to_json() for i in items], "images": {f: images[f].pixels_sha256 for f in used}}
+    doc = {"items": [image_item_json(i) for i in items], "images": {f: images[f].pixels_sha256 for f in used}}
     return "sha256:" + hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
@@ -204,7 +129,7 @@ def _parse_part(obj: Any, where: str) -> Part:
     raise PanelError(f"{where}: unknown part type {kind!r}; expected 'text' or 'image'")
 
 
-def _parse_message(obj: Any, where: str) -> ImageMessage:
+def _parse_message(obj: Any, where: str) -> Message:
     if not isinstance(obj, dict):
         raise PanelError(f"{where}: a message must be an object")
     _keys(obj, {"role", "content", "tool_calls", "tool_call_id"}, where)
@@ -215,7 +140,7 @@ def _parse_message(obj: Any, where: str) -> ImageMessage:
     if role == "assistant":
         if not isinstance(content, str):
             raise PanelError(f"{where}: an assistant message's content is a string (assistants send no images)")
-        parts: tuple[Part, ...] = (TextPart(content),) if content else ()
+        parts: str | tuple[Part, ...] = content
     else:
         if not isinstance(content, list) or not content:
             raise PanelError(f"{where}: a {role} message's content is a non-empty list of parts")
@@ -234,10 +159,10 @@ def _parse_message(obj: Any, where: str) -> ImageMessage:
         raise PanelError(f"{where}: 'tool_call_id' is required on tool messages and only there")
     if not parts and not calls:
         raise PanelError(f"{where}: empty {role} message")
-    return ImageMessage(role, parts, tuple(calls), call_id)
+    return Message(role, parts, tuple(calls), call_id)
 
 
-def parse_image_item(obj: Any, where: str) -> ImageItem:
+def parse_image_item(obj: Any, where: str) -> PanelItem:
     if not isinstance(obj, dict):
         raise PanelError(f"{where}: an item must be a JSON object")
     _keys(obj, {"id", "domain", "messages", "tools", "readback"}, where)
@@ -272,7 +197,7 @@ def parse_image_item(obj: Any, where: str) -> ImageItem:
         raise PanelError(f"{where}: 'readback' must be a non-empty string")
     if readback is not None and not any(m.images for m in msgs):
         raise PanelError(f"{where}: a read-back item needs an image")
-    return ImageItem(item_id, domain, msgs, tuple(tools), readback)
+    return PanelItem(item_id, domain, "chat", "after_images", messages=msgs, tools=tuple(tools), readback=readback)
 
 
 def load_image(path: Path, where: str) -> PanelImage:
@@ -307,13 +232,13 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return obj
 
 
-def read_image_panel_files(items_path: Path, images_dir: Path) -> tuple[tuple[ImageItem, ...], dict[str, PanelImage]]:
+def read_image_panel_files(items_path: Path, images_dir: Path) -> tuple[tuple[PanelItem, ...], dict[str, PanelImage]]:
     """The items of a JSONL file and every image they name, decoded (no hash check: see load_image_panel)."""
     try:
         lines = items_path.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise PanelError(f"{items_path}: cannot read the panel ({type(exc).__name__}: {exc})") from None
-    items: list[ImageItem] = []
+    items: list[PanelItem] = []
     seen: dict[str, int] = {}
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -338,7 +263,7 @@ def read_image_panel_files(items_path: Path, images_dir: Path) -> tuple[tuple[Im
     return tuple(items), images
 
 
-def load_image_panel(ref: str | Path = "images", data_dir: Path = IMAGE_DATA_DIR) -> ImagePanel:
+def load_image_panel(ref: str | Path = "images", data_dir: Path = IMAGE_DATA_DIR) -> Panel:
     """`name` (newest version), `name@version`, or a manifest path; refuses content that moved off its hash."""
     if str(ref).endswith(".manifest.json"):
         mpath = Path(ref)
@@ -359,11 +284,11 @@ def load_image_panel(ref: str | Path = "images", data_dir: Path = IMAGE_DATA_DIR
     if got != man["content_hash"]:
         raise PanelHashMismatch(f"{mpath}: content hash {got} does not match the published {man['content_hash']} "
                                 "(an item or a pixel changed). A published panel never changes; publish a new version.")
-    return ImagePanel(man["name"], man["version"], got, items, images, man.get("description", ""))
+    return Panel(man["name"], man["version"], got, items, man.get("description", ""), images)
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI shape
-def openai_messages(panel: ImagePanel, item: ImageItem, *, upto: int | None = None) -> list[dict[str, Any]]:
+def openai_messages(panel: Panel, item: PanelItem, *, upto: int | None = None) -> list[dict[str, Any]]:
     """The item's messages (or the first `upto`) as an OpenAI chat request sends them: user and tool content
     as parts, images as ``image_url`` parts with PNG data URLs, tool calls with JSON-string arguments."""
     out: list[dict[str, Any]] = []
@@ -387,7 +312,7 @@ def openai_messages(panel: ImagePanel, item: ImageItem, *, upto: int | None = No
     return out
 
 
-def openai_tools(item: ImageItem) -> list[dict[str, Any]]:
+def openai_tools(item: PanelItem) -> list[dict[str, Any]]:
     return [{"type": "function", "function": t.to_json()} for t in item.tools]
 
 
@@ -417,50 +342,12 @@ class FixedSpanLayout:
         return (*self.prefix, *([self.image_token_id] * self.tokens_per_image), *self.suffix)
 
 
-@dataclass(frozen=True)
-class ImageSpanRef:
-    start: int
-    length: int
-    file: str
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+def _as_messages(item: PanelItem, upto: int | None) -> list[Message]:
+    """The transcript as the chat format renders it: text, each image part written as the sentinel."""
+    return [replace(m, content=m.text(IMAGE_SENTINEL)) for m in item.messages[:upto]]
 
 
-@dataclass(frozen=True)
-class EncodedImageSequence:
-    sequence: EncodedSequence
-    spans: tuple[ImageSpanRef, ...]
-
-    @property
-    def seq_id(self) -> str:
-        return self.sequence.seq_id
-
-
-@dataclass(frozen=True)
-class EncodedImagePanel:
-    panel: EncodedPanel
-    items: tuple[EncodedImageSequence, ...]
-    layout: str
-
-    def spans(self, seq_id: str) -> tuple[ImageSpanRef, ...]:
-        for s in self.items:
-            if s.seq_id == seq_id:
-                return s.spans
-        raise KeyError(seq_id)
-
-
-def _as_messages(item: ImageItem, upto: int | None) -> list[Message]:
-    """The transcript as text-panel messages, each image part replaced by the sentinel."""
-    out = []
-    for m in item.messages[:upto]:
-        text = "".join(p.text if isinstance(p, TextPart) else IMAGE_SENTINEL for p in m.parts)
-        out.append(Message(m.role, text, m.tool_calls, m.tool_call_id))
-    return out
-
-
-def encode_image_messages(item: ImageItem, images: Mapping[str, PanelImage], tok: PanelTokenizer,
+def encode_image_messages(item: PanelItem, images: Mapping[str, PanelImage], tok: PanelTokenizer,
                           layout: ImageLayout, *, upto: int | None = None,
                           add_generation_prompt: bool = False) -> tuple[list[int], tuple[ImageSpanRef, ...]]:
     """Token ids of the item's messages (the first `upto`) with every image's span laid out, and the spans."""
@@ -498,19 +385,18 @@ def scored_after_images(n: int, spans: Sequence[ImageSpanRef]) -> list[bool]:
     return mask
 
 
-def encode_image_panel(panel: ImagePanel, tok: PanelTokenizer, layout: ImageLayout) -> EncodedImagePanel:
+def encode_image_panel(panel: Panel, tok: PanelTokenizer, layout: ImageLayout) -> EncodedPanel:
     seqs = []
     for it in panel.items:
         ids, spans = encode_image_messages(it, panel.images, tok, layout)
         mask = scored_after_images(len(ids), spans)
         if not any(mask):
             raise PanelError(f"item '{it.id}': no text position after its images")
-        seqs.append(EncodedImageSequence(EncodedSequence(it.id, it.domain, tuple(ids), tuple(mask)), spans))
+        seqs.append(EncodedSequence(it.id, it.domain, tuple(ids), tuple(mask), spans))
     ident = hashlib.sha256(f"{tok.hash}\0{layout.name}\0{layout.image_token_id}".encode()).hexdigest()
-    enc = EncodedPanel(panel.name, panel.version, panel.content_hash, "sha256:" + ident,
-                       tuple(s.sequence for s in seqs), tokenizer_name=tok.name, chat_format=tok.chat_format.name,
-                       notes=(f"image layout {layout.name}",))
-    return EncodedImagePanel(enc, tuple(seqs), layout.name)
+    return EncodedPanel(panel.name, panel.version, panel.content_hash, "sha256:" + ident, tuple(seqs),
+                        tokenizer_name=tok.name, chat_format=tok.chat_format.name,
+                        notes=(f"image layout {layout.name}",), layout=layout.name)
 
 
 def publish_manifest(items_path: Path, images_dir: Path, name: str, version: int, description: str) -> dict[str, Any]:

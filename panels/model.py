@@ -6,6 +6,7 @@ hash is computed once at load time and must stay true for the object's lifetime.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,8 +20,9 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 #   all        every position 1..L-1 of the sequence (raw items; position 0 never has a distribution)
 #   assistant  the tokens of every assistant message (content, tool calls, end-of-turn marker)
 #   last       only the final assistant message
-ScorePolicy = Literal["all", "assistant", "last"]
-SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last")
+#   after_images  image panels: every text position after the first image (panels/images.py)
+ScorePolicy = Literal["all", "assistant", "last", "after_images"]
+SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last")   # what a text panel file may name
 
 
 class PanelError(UserError, ValueError):
@@ -54,16 +56,55 @@ class ToolSpec:
 
 
 @dataclass(frozen=True)
+class TextPart:
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "text", "text": self.text}
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image of the panel's image store (panels/images.py), by file name."""
+
+    file: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "image", "file": self.file}
+
+
+Part = TextPart | ImagePart
+
+
+@dataclass(frozen=True)
 class Message:
+    """One chat message. `content` is its text, or a sequence of parts (text and images) for the user and
+    tool messages of image panels; a text panel's messages hold strings, so their JSON (and hash) is text."""
+
     role: str
-    content: str
+    content: str | tuple[Part, ...]
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     # Assistant reasoning text, rendered only by formats with a thinking mode.
     reasoning: str | None = None
 
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        if isinstance(self.content, str):
+            return (TextPart(self.content),) if self.content else ()
+        return self.content
+
+    @property
+    def images(self) -> tuple[str, ...]:
+        return tuple(p.file for p in self.parts if isinstance(p, ImagePart))
+
+    def text(self, image_marker: str = "") -> str:
+        """The text of the message, each image part written as `image_marker`."""
+        return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.parts)
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        content = self.content if isinstance(self.content, str) else [p.to_json() for p in self.content]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:
             out["reasoning"] = self.reasoning
         if self.tool_calls:
@@ -85,6 +126,11 @@ class PanelItem:
     messages: tuple[Message, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
     lang: str | None = None
+    readback: str | None = None   # image panels: the string rendered in the item's image (the read-back check)
+
+    @property
+    def images(self) -> tuple[str, ...]:
+        return tuple(f for m in self.messages for f in m.images)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "domain": self.domain, "kind": self.kind, "score": self.score}
@@ -96,6 +142,8 @@ class PanelItem:
                 out["tools"] = [t.to_json() for t in self.tools]
         if self.lang is not None:
             out["lang"] = self.lang
+        if self.readback is not None:
+            out["readback"] = self.readback
         return out
 
 
@@ -106,10 +154,18 @@ class Panel:
     content_hash: str
     items: tuple[PanelItem, ...]
     description: str = ""
+    # image panels: file name -> panels.images.PanelImage (pixels and their hash); empty for text panels
+    images: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
+
+    def item(self, item_id: str) -> PanelItem:
+        for it in self.items:
+            if it.id == item_id:
+                return it
+        raise PanelError(f"panel {self.ref}: no item {item_id!r}")
 
     def domains(self) -> tuple[str, ...]:
         seen = dict.fromkeys(i.domain for i in self.items)
@@ -128,11 +184,25 @@ class PanelInfo:
 
 
 @dataclass(frozen=True)
+class ImageSpanRef:
+    """Where one image sits in an encoded sequence: `length` ids from `start`, the layout's span for `file`."""
+
+    start: int
+    length: int
+    file: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class EncodedSequence:
     seq_id: str
     domain: str
     token_ids: tuple[int, ...]
     scored_mask: tuple[bool, ...]
+    spans: tuple[ImageSpanRef, ...] = ()   # image panels: each image's span, in order
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.scored_mask):
@@ -155,6 +225,13 @@ class EncodedPanel:
     tokenizer_name: str = ""
     chat_format: str = ""
     notes: tuple[str, ...] = field(default=())
+    layout: str = ""   # image panels: the image layout the spans were laid out with
+
+    def spans(self, seq_id: str) -> tuple[ImageSpanRef, ...]:
+        for s in self.sequences:
+            if s.seq_id == seq_id:
+                return s.spans
+        raise KeyError(seq_id)
 
     def scored_by_domain(self) -> dict[str, int]:
         out: dict[str, int] = {}

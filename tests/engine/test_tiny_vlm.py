@@ -42,17 +42,17 @@ def test_folder_is_keyed_by_the_writer_and_says_its_layout(setup):
 
 def test_images_change_the_text_logprobs_and_the_model_is_not_flat(setup):
     _, panel, enc, orc = setup
-    e = next(s for s in enc.items if s.seq_id == "img-note-total")
-    rows = torch.nonzero(torch.tensor(e.sequence.scored_mask))[:, 0] - 1
-    a = _lp(orc, e.sequence, e.spans, panel.images)[rows]
-    b = _lp(orc, e.sequence, tuple(replace(s, file="photo-dusk.png") for s in e.spans), panel.images)[rows]
+    e = next(s for s in enc.sequences if s.seq_id == "img-note-total")
+    rows = torch.nonzero(torch.tensor(e.scored_mask))[:, 0] - 1
+    a = _lp(orc, e, e.spans, panel.images)[rows]
+    b = _lp(orc, e, tuple(replace(s, file="photo-dusk.png") for s in e.spans), panel.images)[rows]
     kl = (a.exp() * (a - b)).sum(-1)
     entropy = -(a.exp() * a).sum(-1)
     print(f"\nKL(receipt image || photo image) on the text after it: mean {kl.mean():.3f}, max {kl.max():.3f} nats; "
           f"entropy mean {entropy.mean():.2f} of ln V = {math.log(a.shape[1]):.2f}")
     assert kl.mean() > 0.1                          # the image reaches the text
     assert entropy.mean() < math.log(a.shape[1]) - 2  # far from uniform
-    again = _lp(orc, e.sequence, e.spans, panel.images)[rows]
+    again = _lp(orc, e, e.spans, panel.images)[rows]
     assert torch.equal(a, again)                   # deterministic
 
 
@@ -65,8 +65,8 @@ def test_tower_features_have_one_row_per_image_position(setup):
 
 def test_oracle_refuses_an_image_token_outside_its_span(setup):
     _, panel, enc, orc = setup
-    e = next(s for s in enc.items if s.seq_id == "img-note-total")
-    ids = list(e.sequence.token_ids)
+    e = next(s for s in enc.sequences if s.seq_id == "img-note-total")
+    ids = list(e.token_ids)
     ids[-2] = orc.image_token_id
     with pytest.raises(OracleError, match="outside every image span"):
         orc.logits(ids, e.spans, panel.images, "bad")

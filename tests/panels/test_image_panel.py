@@ -114,7 +114,7 @@ def test_openai_messages_carry_the_exact_pixels_also_in_tool_results(panel):
 
 
 def test_scored_positions_are_the_text_after_the_first_image():
-    from panels.images import ImageSpanRef
+    from panels.model import ImageSpanRef
 
     spans = (ImageSpanRef(2, 3, "a.png"), ImageSpanRef(7, 2, "b.png"))
     assert scored_after_images(10, spans) == [False] * 5 + [True, True, False, False, True]
@@ -133,7 +133,7 @@ def test_encoding_equals_transformers_rendering_of_content_parts(panel):
     tok, layout = load_tokenizer(d), image_layout(d)
     hf = AutoTokenizer.from_pretrained(str(d))
     enc = encode_image_panel(panel, tok, layout)
-    for it, e in zip(panel.items, enc.items):
+    for it, e in zip(panel.items, enc.sequences):
         msgs = []
         for m in it.messages:
             d_ = {"role": m.role, "content": m.text() if m.role == "assistant" else
@@ -148,7 +148,7 @@ def test_encoding_equals_transformers_rendering_of_content_parts(panel):
         expanded = []
         for t in ids:
             expanded += list(layout.span_ids(None)) if t == layout.image_token_id else [t]
-        assert expanded == list(e.sequence.token_ids), it.id
+        assert expanded == list(e.token_ids), it.id
         assert [s.start for s in e.spans] == [i for i, t in enumerate(expanded) if t == layout.prefix[0]][::2]
 
 
@@ -162,14 +162,14 @@ def test_deepseek_encoding_is_what_the_oracle_lays_out(panel):
     cfg = ModelConfig()
     layout = DeepSeekImageLayout(cfg)
     enc = encode_image_panel(panel, load_tokenizer("deepseek"), layout)
-    for e in enc.items:
+    for e in enc.sequences:
         if not e.spans:
             continue
-        p = prompt_from_ids(e.sequence.token_ids, [(s.start, panel.images[s.file].rgb) for s in e.spans], cfg)
+        p = prompt_from_ids(e.token_ids, [(s.start, panel.images[s.file].rgb) for s in e.spans], cfg)
         assert [s.start for s in p.spans] == [s.start for s in e.spans]
         first = e.spans[0]
         with pytest.raises(Exception, match="image_token_id"):   # a span shifted by one is refused
-            prompt_from_ids(e.sequence.token_ids, [(first.start + 1, panel.images[first.file].rgb)], cfg)
+            prompt_from_ids(e.token_ids, [(first.start + 1, panel.images[first.file].rgb)], cfg)
 
 
 def test_the_generator_reproduces_every_stored_image(panel):
@@ -181,3 +181,22 @@ def test_the_generator_reproduces_every_stored_image(panel):
     for stem, draw in IMAGES_1.items():
         rgb = np.asarray(draw().convert("RGB"))
         assert pixels_sha256(rgb) == panel.images[f"{stem}.png"].pixels_sha256, stem
+
+
+def test_image_items_are_chat_items_of_the_one_panel_model(panel):
+    """One Panel / PanelItem / Message family: an image item is a chat item scored after its images whose user
+    and tool messages hold parts; written back, every item is its line of the published file, and a text
+    message's JSON (hence a text panel's hash) is what it always was."""
+    from panels.images import image_item_json
+    from panels.model import ImagePart, Message, Panel, PanelItem, TextPart
+
+    assert isinstance(panel, Panel) and all(isinstance(it, PanelItem) for it in panel.items)
+    assert {(it.kind, it.score) for it in panel.items} == {("chat", "after_images")}
+    lines = [json.loads(x) for x in (IMAGE_DATA_DIR / "images-1.jsonl").read_text().splitlines() if x.strip()]
+    assert [image_item_json(it) for it in panel.items] == lines
+    two = panel.item("img-two-photos")
+    user = next(m for m in two.messages if len(m.images) == 2)
+    assert isinstance(user.content, tuple) and {type(p) for p in user.content} == {TextPart, ImagePart}
+    assert user.text("<img>").count("<img>") == 2 and "<img>" not in user.text()
+    assert Message("user", "hi").to_json() == {"role": "user", "content": "hi"}
+    assert Message("user", "hi").parts == (TextPart("hi"),) and Message("user", "").parts == ()
