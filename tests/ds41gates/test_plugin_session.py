@@ -49,9 +49,9 @@ def test_one_options_function_one_configure_and_no_state_on_config():
     # imports only at the top of the module (a function may import a heavy floor lazily, never the module body)
     first_def = next(i for i, n in enumerate(tree.body) if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
     assert not [n for n in tree.body[first_def:] if isinstance(n, (ast.Import, ast.ImportFrom))]
+    state_on_config = "config._" + "ds41"          # spelled apart so this file is not a hit of its own grep
     for folder in ("ds41gates", "gates", "tests"):
-        hits = [p for p in (REPO / folder).rglob("*.py") if "config._ds41_" in p.read_text(errors="replace")
-                and p != Path(__file__)]
+        hits = [p for p in (REPO / folder).rglob("*.py") if state_on_config in p.read_text(errors="replace")]
         assert hits == [], hits
 
 
@@ -61,7 +61,8 @@ def test_a_session_writes_typed_results_with_outcomes_and_timings(tmp_path):
     results = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "ds41gates.pytest_plugin", "-p",
                            "no:cacheprovider", str(test_file), "--results", str(results)],
-                          cwd=tmp_path, env=gate_session_env(), capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=gate_session_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f'"format": "{FORMAT_VERSION}"' in (results / "results.json").read_text()
     got = GateResults.load(results)

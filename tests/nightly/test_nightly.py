@@ -119,6 +119,31 @@ def test_cell_metrics_from_results():
     assert by["kl_part_prompt_mean[p]"].value == pytest.approx(2e-6) and by["kl_part_prompt_mean[p]"].per_prompt[1] is None
 
 
+# results.json of `pytest -m gate --results DIR` on the embedded default (SmolLM2 on vllm-cpu-fp32: 35 passed,
+# 2 xfailed, 8 flag A/B items deselected), kept as written: the contract's sample from the writing side
+REAL_RESULTS = REPO / "tests" / "data" / "nightly" / "results-vllm-cpu-fp32.json"
+
+
+def test_the_nightly_reads_the_results_a_real_gate_run_wrote(tmp_path):
+    from core.results import GateResults
+
+    results = GateResults.load(REAL_RESULTS)
+    by = {m.name: m.value for m in N.cell_metrics(results, None)}
+    assert by["kl_panel.positions"] == 3968 and 0 <= by["kl_panel.kl_part_mean"] < 1e-6
+    assert by["kl_panel.top1"] == 1.0
+    assert H.flag_verdicts_from_results(results, "cpu") == []          # no --flag in that run
+    assert len(results.outcomes) == 37 and not results.errored()
+    assert {o.outcome for o in results.outcomes} == {"passed", "xfailed"}
+    # through the cell collector, as the nightly reads a cell's folder (no junit: the cell is an error)
+    (tmp_path / "results.json").write_bytes(REAL_RESULTS.read_bytes())
+    cell = N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
+    assert {m.name for m in cell.metrics} >= {"kl_panel.kl_part_mean", "kl_panel.ppl_ratio"}
+    # a results.json of the untyped era is refused naming the file, not read as an empty cell
+    (tmp_path / "results.json").write_text(json.dumps({"kl_panel": {"passed": True, "summary": {}}}))
+    with pytest.raises(N.NightlyConfigError, match="results.json: not a ds41-results/1 results file: no format tag"):
+        N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
+
+
 def test_per_prompt_metrics_are_per_sequence_means_of_finite_unambiguous_kl():
     import numpy as np
 
