@@ -61,7 +61,7 @@ from .numerics import Numerics, TieStats
 from .options import TOP_K, RunnerError, RunOptions, compute_context
 from .spill import StageReader, StageWriter
 from .tiny import is_tiny_checkpoint
-from .workdir import KILL_ENV, MANIFEST, WorkDir, fault
+from .workdir import KILL_ENV, MANIFEST, Manifest, RunTotals, WorkDir, fault
 
 __all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "checkpoint_identity", "engram_token_map",
            "forward_in_memory", "run_panel", "run_to_file"]
@@ -153,109 +153,140 @@ def _check_ids(panel: EncodedPanel, vocab: int) -> None:
 
 
 def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptions, hasher, t_start) -> Record:
+    """The embed stage and one stage per layer, each committed to the work dir, from the first stage the
+    manifest does not hold; then the head writes the record."""
     cfg = ck.model_config
     n_stages = 1 + cfg.n_layers  # embed + layers; the head writes the record
-    seqs = panel.sequences
     stats = RunStats(stages=n_stages + 1, spill=_spill_decision(opts, ck, panel),
-                     tokens=sum(len(s.token_ids) for s in seqs))
+                     tokens=sum(len(s.token_ids) for s in panel.sequences))
     manifest = wd.resume(opts.restart)
-    loaded: dict[str, str] = {}
-    reader: StageReader | None = None
-    start = 0
+    reader = None
     if manifest is not None:
-        start = manifest["stages_done"]
-        loaded = dict(manifest["loaded"])
-        for k in ("read_s", "compute_s", "io_s"):
-            setattr(stats, k, manifest["timing"][k])
-        stats.largest_stage_weight_bytes = manifest["largest_stage_weight_bytes"]
-        stats.largest_stage_name = manifest["largest_stage_name"]
-        stats.activation_bytes = manifest["activation_bytes"]
-        reader = StageReader.open_verified(wd.path / manifest["acts"], manifest["table"], manifest["acts_sha256"])
-    stats.resumed_from_stage = start
+        stats.continue_from(manifest.totals)
+        reader = StageReader.open_verified(wd.path / manifest.acts, manifest.table, manifest.acts_sha256)
+    stats.resumed_from_stage = manifest.stages_done if manifest else 0
     warm_up_decoders()  # JIT code is a per-process constant: loaded before the baseline
-    malloc = MallocTuning()
-    buffers = OutputBuffers()
-    readahead = Readahead()
-    malloc.trim()
+    run = _StageRun(ck, panel, wd, opts, hasher, stats, n_stages, _step_groups(panel, cfg, opts),
+                    loaded=dict(manifest.loaded) if manifest else {},
+                    bar=_Progress(opts.progress, n_stages + 1, len(panel.sequences)))
+    run.malloc.trim()
     stats.baseline_rss_kib = status_kib("VmRSS")
     reset_peak_rss()
-    bar = _Progress(opts.progress, n_stages + 1, len(seqs))
-    # reference-bf16 reproduces the reference's per-sequence calls, whose fp32 ops depend on the row count
-    groups = moe_groups(seqs, cfg, STREAM_GROUP_BYTES if opts.stream_experts else MOE_GROUP_BYTES) \
-        if opts.precision == "fp32" else [[i] for i in range(len(seqs))]
     try:
         with compute_context(opts.device, opts.threads):
-            for stage in range(start, n_stages):
-                name = "embed" if stage == 0 else f"layer {stage - 1}"
-                bar.begin(name, stage)
-                writer = StageWriter(wd.acts_path(stage), spill=stats.spill)
-                t = time.perf_counter()
-                if stage == 0:
-                    w, nbytes = _load_named(ck, {"embed.weight": "tensor"}, opts.device)
-                    step = _embed_stage_step(Embedding(cfg).load(w), cfg.hc_mult, opts)
-                else:
-                    L = stage - 1
-                    w, nbytes = _load_layer(ck, L, opts.device, buffers, opts.precision, opts.stream_experts)
-                    step = _layer_stage_step(block_class(cfg)(cfg, L, opts.index_k).load(w),
-                                             Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None,
-                                             hasher, opts)
-                ck.release_file_handles()  # the shards' mapped pages are not needed once decoded
-                stats.read_s += time.perf_counter() - t
-                next_prefixes = (["head", "norm.weight"] + ([f"hc_head_{k}" for k in ("fn", "base", "scale")] if cfg.is_v4 else [])
-                                 if stage + 1 == n_stages else [f"layers.{stage}"])
-                readahead.start([r for p in next_prefixes for r in ck.byte_ranges(p)])
-                if nbytes > stats.largest_stage_weight_bytes:
-                    stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
-                for group in groups:
-                    t = time.perf_counter()
-                    states = [reader.get(i) if reader is not None else None for i in group]
-                    t2 = time.perf_counter()
-                    outputs = step([seqs[i] for i in group], states)
-                    t3 = time.perf_counter()
-                    del states
-                    for i, (arrays, meta) in zip(group, outputs):
-                        writer.put(arrays, meta)
-                        bar.step()
-                        if i == 0:
-                            fault("seq", stage)
-                    del outputs, arrays
-                    stats.io_s += (t2 - t) + (time.perf_counter() - t3)
-                    stats.compute_s += t3 - t2
-                del step, w  # the stage's weights go before the next stage loads its own
-                t = time.perf_counter()
-                sha = writer.commit(lambda point, s=stage: fault(point, s))
-                loaded.update(ck.loaded_digests())
-                stats.activation_bytes = max(stats.activation_bytes, writer.offset)
-                wd.commit({"stages_done": stage + 1, "stage_name": name, "acts": writer.path.name,
-                           "acts_sha256": sha, "acts_bytes": writer.offset, "table": writer.table,
-                           "loaded": loaded,
-                           "timing": {k: getattr(stats, k) for k in ("read_s", "compute_s", "io_s")},
-                           "largest_stage_weight_bytes": stats.largest_stage_weight_bytes,
-                           "largest_stage_name": stats.largest_stage_name,
-                           "activation_bytes": stats.activation_bytes},
-                          lambda point, s=stage: fault(point, s))
-                fault("committed", stage)
-                if reader is not None:
-                    reader.close()
-                    if reader.path != writer.path:
-                        reader.path.unlink(missing_ok=True)  # the new stage is durable: the old one is garbage
-                reader = writer.reader()
-                del writer
-                stats.io_s += time.perf_counter() - t
-                ck.release_file_handles()
-                if buffers.in_use():  # a reference cycle still holds this stage's weights: collect it
-                    gc.collect()  # (a full collection costs 0.1-0.4 s with torch loaded, so only then)
-                buffers.reclaim()  # the stage's arrays nothing references any more serve the next stage
-                malloc.trim()
-            record = _head_stage(ck, panel, reader, opts, stats, bar, loaded)
+            for stage in range(stats.resumed_from_stage, n_stages):
+                reader = _run_stage(run, stage, reader)
+            record = _head_stage(ck, panel, reader, opts, stats, run.bar, run.loaded)
     finally:
-        readahead.wait()
-        bar.close()
+        run.readahead.wait()
+        run.bar.close()
     reader.close()
     stats.peak_rss_kib = status_kib("VmHWM")
     stats.total_s = time.perf_counter() - t_start
     record.provenance.extra["run"] = dataclasses.asdict(stats)
     return record
+
+
+@dataclass
+class _StageRun:
+    """What every stage of one run shares: the job, its running totals, and the host plumbing (the pool the
+    next stage decodes into, the readahead of its bytes, the allocator)."""
+
+    ck: Checkpoint
+    panel: EncodedPanel
+    wd: WorkDir
+    opts: RunOptions
+    hasher: NgramHasher | None
+    stats: "RunStats"
+    n_stages: int
+    groups: list[list[int]]  # panel indices that share one step call
+    loaded: dict[str, str]  # tensor name -> SHA-256 of its stored bytes, every stage so far
+    bar: "_Progress"
+    buffers: OutputBuffers = field(default_factory=OutputBuffers)
+    readahead: Readahead = field(default_factory=Readahead)
+    malloc: MallocTuning = field(default_factory=MallocTuning)
+
+
+def _run_stage(run: _StageRun, stage: int, reader: StageReader | None) -> StageReader:
+    """Stage `stage` over every sequence (the states in `reader`, None before the embed stage), committed to
+    the work dir; -> the reader of the new stage's states."""
+    ck, stats, seqs = run.ck, run.stats, run.panel.sequences
+    name = "embed" if stage == 0 else f"layer {stage - 1}"
+    run.bar.begin(name, stage)
+    writer = StageWriter(run.wd.acts_path(stage), spill=stats.spill)
+    t = time.perf_counter()
+    step, nbytes = _stage_step(run, stage)
+    ck.release_file_handles()  # the shards' mapped pages are not needed once decoded
+    stats.read_s += time.perf_counter() - t
+    run.readahead.start([r for p in _next_prefixes(ck.model_config, stage, run.n_stages) for r in ck.byte_ranges(p)])
+    if nbytes > stats.largest_stage_weight_bytes:
+        stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, name
+    for group in run.groups:
+        t = time.perf_counter()
+        states = [reader.get(i) if reader is not None else None for i in group]
+        t2 = time.perf_counter()
+        outputs = step([seqs[i] for i in group], states)
+        t3 = time.perf_counter()
+        del states
+        for i, (arrays, meta) in zip(group, outputs):
+            writer.put(arrays, meta)
+            run.bar.step()
+            if i == 0:
+                fault("seq", stage)
+        del outputs, arrays
+        stats.io_s += (t2 - t) + (time.perf_counter() - t3)
+        stats.compute_s += t3 - t2
+    del step  # the stage's weights go before the next stage loads its own
+    t = time.perf_counter()
+    sha = writer.commit(lambda point: fault(point, stage))
+    run.loaded.update(ck.loaded_digests())
+    stats.activation_bytes = max(stats.activation_bytes, writer.offset)
+    run.wd.commit(Manifest(stages_done=stage + 1, stage_name=name, acts=writer.path.name, acts_sha256=sha,
+                           acts_bytes=writer.offset, table=writer.table, loaded=dict(run.loaded),
+                           totals=stats.totals()),
+                  lambda point: fault(point, stage))
+    fault("committed", stage)
+    if reader is not None:
+        reader.close()
+        if reader.path != writer.path:
+            reader.path.unlink(missing_ok=True)  # the new stage is durable: the old one is garbage
+    reader = writer.reader()
+    del writer
+    stats.io_s += time.perf_counter() - t
+    ck.release_file_handles()
+    if run.buffers.in_use():  # a reference cycle still holds this stage's weights: collect it
+        gc.collect()  # (a full collection costs 0.1-0.4 s with torch loaded, so only then)
+    run.buffers.reclaim()  # the stage's arrays nothing references any more serve the next stage
+    run.malloc.trim()
+    return reader
+
+
+def _step_groups(panel: EncodedPanel, cfg, opts: RunOptions) -> list[list[int]]:
+    """Panel indices sent through one step call together. reference-bf16 reproduces the reference's
+    per-sequence calls, whose fp32 ops depend on the row count, so it never groups."""
+    if opts.precision != "fp32":
+        return [[i] for i in range(len(panel.sequences))]
+    return moe_groups(panel.sequences, cfg, STREAM_GROUP_BYTES if opts.stream_experts else MOE_GROUP_BYTES)
+
+
+def _stage_step(run: _StageRun, stage: int):
+    """-> (the stage's step over a group of sequences, the bytes of the weights it holds)."""
+    ck, cfg, opts = run.ck, run.ck.model_config, run.opts
+    if stage == 0:
+        w, nbytes = _load_named(ck, {"embed.weight": "tensor"}, opts.device)
+        return _embed_stage_step(Embedding(cfg).load(w), cfg.hc_mult, opts), nbytes
+    L = stage - 1
+    w, nbytes = _load_layer(ck, L, opts.device, run.buffers, opts.precision, opts.stream_experts)
+    block = block_class(cfg)(cfg, L, opts.index_k).load(w)
+    engram = Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None
+    return _layer_stage_step(block, engram, run.hasher, opts), nbytes
+
+
+def _next_prefixes(cfg, stage: int, n_stages: int) -> list[str]:
+    """What the stage after `stage` reads, for the readahead."""
+    if stage + 1 < n_stages:
+        return [f"layers.{stage}"]
+    return ["head", "norm.weight"] + ([f"hc_head_{k}" for k in ("fn", "base", "scale")] if cfg.is_v4 else [])
 
 
 @dataclass
@@ -275,6 +306,15 @@ class RunStats:
     peak_rss_kib: int = 0
     tokens: int = 0
     ties: dict = field(default_factory=dict)
+
+    def totals(self) -> RunTotals:
+        """What a manifest carries to a resumed run."""
+        return RunTotals(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunTotals)})
+
+    def continue_from(self, totals: RunTotals) -> None:
+        """Start from a committed run's totals."""
+        for f in dataclasses.fields(RunTotals):
+            setattr(self, f.name, getattr(totals, f.name))
 
 
 class _Progress:
