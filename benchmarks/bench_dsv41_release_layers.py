@@ -56,7 +56,7 @@ from oracle.dsv41 import runner as R  # noqa: E402
 from oracle.dsv41 import tiny as T  # noqa: E402
 from oracle.dsv41.block import ModelState, head_step  # noqa: E402
 from oracle.dsv41.checkpoint import INDEX_NAME, Checkpoint, OutputBuffers  # noqa: E402
-from oracle.dsv41.inventory import expected_inventory  # noqa: E402
+from oracle.dsv41.arch import expected_inventory  # noqa: E402
 from oracle.dsv41.config import ModelConfig  # noqa: E402
 from oracle.dsv41.engram import Engram, EngramLayout, NgramHasher  # noqa: E402
 from oracle.dsv41.formats import warm_up_decoders  # noqa: E402

@@ -70,7 +70,7 @@ def write_large_checkpoint(out: Path, over: dict, seed: int = 0) -> Path:
     import numpy as np
 
     from oracle.dsv41 import tiny as T
-    from oracle.dsv41.inventory import expected_inventory
+    from oracle.dsv41.arch import expected_inventory
 
     cfg = T.tiny_config(over)
     inv = expected_inventory(cfg)

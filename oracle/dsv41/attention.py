@@ -29,9 +29,6 @@ class LayerCache:
     carry_kv: torch.Tensor | None = None  # [b, r, head_dim] fp32 pending group (ratio-2 sources)
     carry_score: torch.Tensor | None = None
     ring: torch.Tensor | None = None  # DSpark stages: [b, window, head_dim] ring of main_kv
-    # DeepSeek-V4 compressors' decode state ({"kv", "score"} [b, coff*r, coff*d] fp32, compressor_v4.py)
-    compress_state: dict | None = None
-    index_state: dict | None = None
 
 
 @dataclass
@@ -100,10 +97,11 @@ def _sparse_attn_reference_order(q, kv, sink, idx, scale: float, block: int):
     return (acc / den.unsqueeze(-1)).to(torch.bfloat16).float()
 
 
-def window_indices(start_pos: int, s: int, window: int) -> torch.Tensor:
+def window_indices(start_pos: int, s: int, window: int, empty_slots_first: bool = True) -> torch.Tensor:
     """Window positions per query [s, n] in the reference's order (§11.1): prefill lists
-    max(0, t-W+1) + arange(min(s, W)) with future slots -1; decode lists the ring oldest-first, which in
-    positions is (-1 for empty slots) then the last min(p+1, W) positions ascending."""
+    max(0, t-W+1) + arange(min(s, W)) with future slots -1; decode lists the last min(p+1, W) positions
+    ascending, with -1 for the ring's empty slots before them (V4.1's ring order) or, with
+    `empty_slots_first=False`, after them (DeepSeek-V4's)."""
     if start_pos == 0:
         end = torch.arange(s).unsqueeze(1)
         idx = (end - window + 1).clamp(min=0) + torch.arange(min(s, window))
@@ -112,7 +110,20 @@ def window_indices(start_pos: int, s: int, window: int) -> torch.Tensor:
         raise ValueError(f"decode step at start_pos={start_pos} must have 1 token, got {s} (§17.1)")
     p = start_pos
     n_valid = min(p + 1, window)
-    return torch.cat([torch.full((window - n_valid,), -1), torch.arange(p + 1 - n_valid, p + 1)]).unsqueeze(0)
+    empty, filled = torch.full((window - n_valid,), -1), torch.arange(p + 1 - n_valid, p + 1)
+    return torch.cat([empty, filled] if empty_slots_first else [filled, empty]).unsqueeze(0)
+
+
+def grouped_wo_a(o: torch.Tensor, cis, wo_a: torch.Tensor, cfg: ModelConfig, num: Numerics) -> torch.Tensor:
+    """Attention output -> wo_b's input: inverse RoPE, then the block-diagonal grouped wo_a (bf16 weight, no
+    act QDQ) (§11.3). The same in both architectures; only wo_b's input quantisation differs."""
+    o = num.r(num.rope(o, cis, inverse=True))
+    b, s = o.shape[:2]
+    og = o.reshape(b, s, cfg.o_groups, -1)
+    wa = wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
+    # the reference runs this grouped product on bf16 tensors (wo_a is stored bf16)
+    z = num.on_bf16(lambda u, v: torch.einsum("bsgd,grd->bsgr", u, v), og, wa)
+    return z.flatten(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,15 +166,8 @@ class Attention:
         return qr, num.r(num.rope(q, cis))
 
     def _output(self, o, cis, num):
-        """Inverse RoPE, block-diagonal grouped wo_a (bf16 weight, no act QDQ), then wo_b (§11.3)."""
-        cfg = self.cfg
-        o = num.r(num.rope(o, cis, inverse=True))
-        b, s = o.shape[:2]
-        og = o.reshape(b, s, cfg.o_groups, -1)
-        wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        # the reference runs this grouped product on bf16 tensors (wo_a is stored bf16)
-        z = num.on_bf16(lambda u, v: torch.einsum("bsgd,grd->bsgr", u, v), og, wa)
-        return num.qlinear(z.flatten(2), self.wo_b)
+        """grouped_wo_a, then wo_b (§11.3)."""
+        return num.qlinear(grouped_wo_a(o, cis, self.wo_a, self.cfg, num), self.wo_b)
 
     # -- forward -------------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, start_pos: int, cache: LayerCache, shared: SharedRuntime,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import LayerCache, sparse_attn
+from dataclasses import dataclass
+
+from .attention import LayerCache, grouped_wo_a, sparse_attn, window_indices
 from .compressor_v4 import CompressorV4, IndexerV4, qdq8_nope
 from .config import ModelConfig
 from .numerics import Numerics, rstd_f64
@@ -29,19 +31,13 @@ from .weights import need
 V4_ACT_BLOCK = 128  # the fp8 GEMM input block of V4 (dsv4-engine.md §5 "quantisation")
 
 
-def window_indices_v4(start_pos: int, s: int, window: int) -> torch.Tensor:
-    """[s, n] window positions per query in the reference's order: the prefill lists
-    max(0, t-W+1) + arange(min(s, W)) with future slots -1; a decode step lists positions oldest first,
-    padded with -1 at the end while fewer than W tokens exist."""
-    if start_pos == 0:
-        end = torch.arange(s).unsqueeze(1)
-        idx = (end - window + 1).clamp(min=0) + torch.arange(min(s, window))
-        return torch.where(idx > end, -1, idx)
-    if s != 1:
-        raise ValueError(f"decode step at start_pos={start_pos} must have 1 token, got {s}")
-    n_valid = min(start_pos + 1, window)
-    return torch.cat([torch.arange(start_pos + 1 - n_valid, start_pos + 1),
-                      torch.full((window - n_valid,), -1)]).unsqueeze(0)
+@dataclass
+class LayerCacheV4(LayerCache):
+    """A V4 layer's cache: V4.1's fields plus its compressors' decode state ({"kv", "score"}
+    [b, coff*r, coff*d] fp32, compressor_v4.py), which only the owning layer reads, and only in decode."""
+
+    compress_state: dict | None = None
+    index_state: dict | None = None
 
 
 def compressed_indices_v4(ratio: int, start_pos: int, s: int, offset: int) -> torch.Tensor:
@@ -87,16 +83,10 @@ class AttentionV4:
         return num.qlinear(x, w, V4_ACT_BLOCK, fmt=self.cfg.scale_fmt)
 
     def _output(self, o, cis, num):
-        """Inverse RoPE, block-diagonal grouped wo_a (bf16 weight, no act QDQ), then wo_b."""
-        cfg = self.cfg
-        o = num.r(num.rope(o, cis, inverse=True))
-        b, s = o.shape[:2]
-        og = o.reshape(b, s, cfg.o_groups, -1)
-        wa = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        z = num.on_bf16(lambda u, v: torch.einsum("bsgd,grd->bsgr", u, v), og, wa)
-        return self._lin(z.flatten(2), self.wo_b, num)
+        """grouped_wo_a, then wo_b with V4's fp8 input blocks."""
+        return self._lin(grouped_wo_a(o, cis, self.wo_a, self.cfg, num), self.wo_b, num)
 
-    def __call__(self, x: torch.Tensor, start_pos: int, cache: LayerCache, num: Numerics) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, start_pos: int, cache: LayerCacheV4, num: Numerics) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
         end_pos = start_pos + s
@@ -114,7 +104,8 @@ class AttentionV4:
                                    f"{start_pos} tokens")
             cache.window_kv = torch.cat([cache.window_kv, kv], dim=1)
         kv_all = cache.window_kv
-        idx = window_indices_v4(start_pos, s, cfg.window_size).expand(b, -1, -1)
+        # the V4 reference lists a decode step's empty ring slots after the filled ones
+        idx = window_indices(start_pos, s, cfg.window_size, empty_slots_first=False).expand(b, -1, -1)
         if self.ratio:
             offset = end_pos  # compressed rows follow the window's rows in kv_all
             if self.indexer is not None:

@@ -42,8 +42,12 @@ class ModelState:
     def caches(self) -> dict[int, LayerCache]:
         return self.shared.caches
 
-    def cache(self, layer_id: int) -> LayerCache:
-        return self.shared.caches.setdefault(layer_id, LayerCache())
+    def cache(self, layer_id: int, kind: type[LayerCache] = LayerCache) -> LayerCache:
+        """Layer `layer_id`'s cache, made on first use as `kind` (an architecture's attention may keep more)."""
+        cache = self.shared.caches.setdefault(layer_id, kind())
+        if not isinstance(cache, kind):
+            raise TypeError(f"layer {layer_id}: its cache is a {type(cache).__name__}, not a {kind.__name__}")
+        return cache
 
 
 @dataclass
@@ -60,17 +64,26 @@ class StepContext:
 
 
 class Block:
-    """One layer: attention and MoE between hc_pre/hc_post, with the one-sublayer-late pre (§9)."""
+    """One layer: attention and MoE between hc_pre/hc_post, with the one-sublayer-late pre (§9).
+
+    The mHC weights, their load and mixes are the same in DeepSeek-V4; block_v4.BlockV4 overrides the parts
+    that differ (its attention and MoE, and where each sublayer's pre comes from)."""
 
     attention_cls = Attention
 
     def __init__(self, cfg: ModelConfig, layer_id: int, index_k: str = "upstream"):
         self.cfg, self.layer_id = cfg, layer_id
         self.prefix = layer_prefix(cfg, layer_id)
-        self.attn = self.attention_cls(cfg, layer_id, index_k)
-        self.ffn = MoE(cfg, layer_id)
+        self.attn = self.make_attention(index_k)
+        self.ffn = self.make_moe()
 
-    def load(self, w: dict) -> "Block":
+    def make_attention(self, index_k: str):
+        return self.attention_cls(self.cfg, self.layer_id, index_k)
+
+    def make_moe(self):
+        return MoE(self.cfg, self.layer_id)
+
+    def load(self, w: dict):
         p = self.prefix
         for n in ("attn", "ffn"):
             setattr(self, f"hc_{n}", tuple(need(w, f"{p}hc_{n}_{k}") for k in ("fn", "scale", "base")))
@@ -88,9 +101,15 @@ class Block:
     def run_attn(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num)
 
+    def moe(self, x: torch.Tensor, num: Numerics, image_mask: torch.Tensor | None = None,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE over the rows of `x`, given what its routing may read: the V4.1 router the image mask
+        (bias_vl), the V4 router the token ids (hash-routed layers)."""
+        return self.ffn(x, image_mask, num)
+
     def __call__(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
         ffn_in, pending = self.attention_part(x, pre_in, ctx)
-        return self.ffn_part(self.ffn(ffn_in, ctx.image_mask, ctx.num), pending, ctx.num)
+        return self.ffn_part(self.moe(ffn_in, ctx.num, ctx.image_mask, ctx.input_ids), pending, ctx.num)
 
     # The block in two parts, so that a runner can send the FFN inputs of several sequences through one
     # MoE call (every op is row-independent, numerics.in_f64): each expert weight is then used once per
@@ -135,8 +154,5 @@ def engram_step(engram: Engram | None, h: torch.Tensor, hashes: torch.Tensor | N
 
 
 def head_step(head: Head, h: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
-    """The streams collapsed with the last FFN's pre, then the final norm and the vocabulary projection.
-    A V4 head (head.HyperHead) collapses the streams with its own hc_head weights and ignores `pre`."""
-    if getattr(head, "takes_streams", False):
-        return head(h, num)
-    return head(hc_pre(h, pre, num), num)
+    """The streams collapsed, then the final norm and the vocabulary projection (Head.logits)."""
+    return head.logits(h, pre, num)

@@ -33,7 +33,8 @@ from core.errors import UserError
 from . import formats as F
 from .config import ModelConfig
 from .engram import engram_prime_rows
-from .inventory import TensorSpec, expected_inventory
+from .arch import expected_inventory
+from .inventory import TensorSpec
 from .shard_io import INDEX_NAME, RandomReads, ShardFolder, ShortRead, TensorInfo, sha256_file
 
 # INDEX_NAME is shard_io's; re-exported because callers that write a checkpoint's index read it here

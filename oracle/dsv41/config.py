@@ -122,7 +122,7 @@ class ModelConfig:
             raise ConfigError(f"config: rope_head_dim {self.rope_head_dim} must be even and <= head dims")
         if self.n_shared_experts != 1:
             raise ConfigError(f"config: n_shared_experts must be 1 (got {self.n_shared_experts})")
-        if self.is_v4:
+        if self.arch == "v4":  # each architecture's own assumptions; arch.py holds what differs in the code
             self._check_v4()
             return
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
@@ -168,13 +168,9 @@ class ModelConfig:
             raise ConfigError(f"config: index_head_dim {self.index_head_dim} must be a power of two (Hadamard)")
 
     # ---- derived (§2.3, §3) -----------------------------------------------------------------
-    @property
-    def is_v4(self) -> bool:
-        return self.arch == "v4"
-
     def is_hash_layer(self, layer_id: int) -> bool:
         """V4: the first num_hash_layers layers route by tid2eid[token id] (dsv4-engine.md §5)."""
-        return self.is_v4 and layer_id < self.n_hash_layers
+        return self.arch == "v4" and layer_id < self.n_hash_layers
 
     @property
     def hc_dim(self) -> int:

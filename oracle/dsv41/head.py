@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .hyper import hc_pre
 from .numerics import Numerics, aligned, in_f64, mm, rstd_f64
 from .weights import need
 
@@ -21,6 +22,10 @@ class Head:
     def __call__(self, x: torch.Tensor, num: Numerics) -> torch.Tensor:
         # the head is never rounded: fp32 weight, fp32 logits (§5.3)
         return num.fp32_linear(num.rmsnorm(x, self.norm, self.cfg.norm_eps), self.weight)
+
+    def logits(self, h: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """The residual streams [b, s, hc, d] collapsed with the last FFN's pre (§7 step 6), then the head."""
+        return self(hc_pre(h, pre, num), num)
 
 
 class Embedding:
@@ -42,8 +47,6 @@ class HyperHead(Head):
     own `hc_head_fn/base/scale` (pre = sigmoid(mixes·scale + base) + hc_eps, no Sinkhorn), then the final
     norm and the fp32 vocabulary projection of `Head`. Called on the streams [b, s, hc, d]."""
 
-    takes_streams = True
-
     def load(self, w: dict) -> "HyperHead":
         super().load(w)
         self.hc_fn, self.hc_base, self.hc_scale = (need(w, f"hc_head_{k}") for k in ("fn", "base", "scale"))
@@ -63,3 +66,7 @@ class HyperHead(Head):
 
     def __call__(self, h: torch.Tensor, num: Numerics) -> torch.Tensor:
         return super().__call__(self.collapse(h, num), num)
+
+    def logits(self, h: torch.Tensor, pre: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """`pre` is V4.1's carried collapse; V4 collapses with its own hc_head weights."""
+        return self(h, num)

@@ -82,11 +82,6 @@ def block_core_specs(cfg: ModelConfig, p: str, lin: dict[str, LinearSpec], ten: 
     return a
 
 
-def expected_inventory(cfg: ModelConfig) -> Inventory:
-    """Every tensor of the official checkpoint for ``cfg``, of its architecture."""
-    return inventory_v4(cfg) if cfg.is_v4 else inventory_v41(cfg)
-
-
 def inventory_v41(cfg: ModelConfig) -> Inventory:
     """Every tensor of the official DeepSeek-V4.1 checkpoint for ``cfg`` (dsv41-architecture.md §4.2, §4.3)."""
     d, hc = cfg.dim, cfg.hc_mult

@@ -1,5 +1,5 @@
-"""DeepSeek-V4.1 top-level forward (§7) with every weight in memory; a V4 config (`cfg.is_v4`) gets the
-V4 blocks (block_v4.py) and head (head.HyperHead) in the same schedule.
+"""DeepSeek-V4.1 top-level forward (§7) with every weight in memory; a DeepSeek-V4 config gets its
+architecture's blocks and head (arch.arch_of) in the same schedule.
 
 Call pattern (§17.1): `state = model.new_state(b)`; `model.forward(ids[b, s], state)` once at position 0,
 then `model.forward(ids[b, 1], state)` per decode step. The schedule is the steps of oracle/dsv41/block.py
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from .aligner import Aligner
+from .arch import arch_of
 from .block import Block, ModelState, StepContext, embed_step, engram_step, head_step, layer_prefix
-from .block_v4 import block_class
 from .config import ModelConfig
 from .engram import Engram, EngramLayout, NgramHasher
-from .head import Embedding, Head, HyperHead
+from .head import Embedding
 from .image_processor import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageInputError, ImageSpan,
                               ProcessedImage)
 from .mtp import DSpark
@@ -55,10 +55,11 @@ class Model:
             raise ValueError(f"index_k {index_k!r}: expected one of {INDEX_K_MODES}")
         Numerics(precision)  # validates the mode name
         self.cfg, self.precision, self.index_k = cfg, precision, index_k
+        arch = arch_of(cfg)
         self.embed = Embedding(cfg).load(weights)
-        self.blocks = [block_class(cfg)(cfg, L, index_k).load(weights) for L in range(cfg.n_layers)]
+        self.blocks = [arch.block(cfg, L, index_k).load(weights) for L in range(cfg.n_layers)]
         self.engrams = {L: Engram(cfg, L).load(weights) for L in cfg.engram_layer_ids}
-        self.head = (HyperHead(cfg) if cfg.is_v4 else Head(cfg)).load(weights)
+        self.head = arch.head(cfg).load(weights)
         self.hasher = None
         if cfg.engram_layer_ids:
             if token_map is None:

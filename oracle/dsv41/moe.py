@@ -10,18 +10,21 @@ from .numerics import Numerics
 from .weights import need
 
 
+def router_scores(logits: torch.Tensor, score_func: str, num: Numerics) -> torch.Tensor:
+    """Router logits [n, E] -> scores (fp32, no bf16 rounding); both architectures' score functions."""
+    if score_func == "sqrtsoftplus":
+        return num.f32(lambda t: F.softplus(t).sqrt(), logits)
+    if score_func == "sigmoid":
+        return num.f32(torch.sigmoid, logits)
+    if score_func == "softmax":
+        return num.f32(lambda t: t.softmax(dim=-1), logits)
+    raise ValueError(f"router: unknown score_func {score_func!r}")
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, cfg: ModelConfig, num: Numerics,
           site: str = "router"):
     """x [n, d] -> (weights [n, k], indices [n, k]); fp32, no act QDQ, no bf16 rounding (§13.1)."""
-    s = num.fp32_linear(x, weight) / cfg.gate_temp
-    if cfg.score_func == "sqrtsoftplus":
-        s = num.f32(lambda t: F.softplus(t).sqrt(), s)
-    elif cfg.score_func == "sigmoid":
-        s = num.f32(torch.sigmoid, s)
-    elif cfg.score_func == "softmax":
-        s = num.f32(lambda t: t.softmax(dim=-1), s)
-    else:
-        raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
+    s = router_scores(num.fp32_linear(x, weight) / cfg.gate_temp, cfg.score_func, num)
     # the bias picks experts but does not weight them
     _, idx = num.topk(s + bias, k, site)
     wts = s.gather(1, idx)
@@ -65,9 +68,7 @@ class MoE:
     def expert_weights(self, e: int):
         return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
-    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics,
-                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`input_ids` is accepted for the V4 MoE's signature (hash routing) and not used here."""
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         bias = self.bias

@@ -11,31 +11,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .attention_v4 import V4_ACT_BLOCK
 from .config import ModelConfig
-from .moe import expert
+from .moe import expert, router_scores
 from .numerics import Numerics
 from .weights import need
-
-
-def scores_v4(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig, num: Numerics) -> torch.Tensor:
-    """Router scores [n, E] from an fp32 linear (fp32 copy of the bf16 gate, no act QDQ)."""
-    s = num.fp32_linear(x, weight)
-    if cfg.score_func == "sqrtsoftplus":
-        return num.f32(lambda t: F.softplus(t).sqrt(), s)
-    if cfg.score_func == "sigmoid":
-        return num.f32(torch.sigmoid, s)
-    if cfg.score_func == "softmax":
-        return num.f32(lambda t: t.softmax(dim=-1), s)
-    raise ValueError(f"router: unknown score_func {cfg.score_func!r}")
 
 
 def route_v4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
              ids: torch.Tensor | None, k: int, cfg: ModelConfig, num: Numerics, site: str = "router"):
     """x [n, d], ids [n] -> (weights [n, k], expert indices [n, k])."""
-    s = scores_v4(x, weight, cfg, num)
+    s = router_scores(num.fp32_linear(x, weight), cfg.score_func, num)  # no gate_temp in V4
     if tid2eid is not None:
         if ids is None or ids.numel() != x.shape[0]:
             raise ValueError(f"{site}: a hash-routed layer needs the token id of each of its {x.shape[0]} rows")
@@ -76,8 +63,8 @@ class MoEV4:
     def expert_weights(self, e: int):
         return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
-    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics,
-                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, num: Numerics, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids` [.., s] beside x's rows: a hash-routed layer picks its experts by them."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         wts, idx = route_v4(x, self.gate, self.bias, self.tid2eid, input_ids, self.k, self.cfg, num,

@@ -22,8 +22,8 @@ stage is committed atomically into the work dir (workdir.py), so a run killed at
 the last finished stage and produces the same bytes as an uninterrupted run. Sharding and merging shard
 records: panel_shards.py. Allocator, /proc and readahead plumbing: host.py.
 
-A DeepSeek-V4 checkpoint (`cfg.is_v4`) runs the same stages with the V4 layer (block_v4.BlockV4, which also
-gets the token ids for its hash routing) and the V4 head (head.HyperHead: norm, head and hc_head_*).
+A DeepSeek-V4 checkpoint runs the same stages with its architecture's layer and head (arch.arch_of: the V4
+layer also gets the token ids for its hash routing, the V4 head reads hc_head_* beside norm and head).
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from oracle.scoring import oracle_provenance, sequence_scores
 from panels.model import EncodedPanel, EncodedSequence
 from panels.pre_encoded import sequences_hash
 
-from .attention import LayerCache, SharedRuntime
+from .arch import arch_of
+from .attention import SharedRuntime
 from .block import Block, ModelState, StepContext, embed_step, engram_step, head_step
-from .block_v4 import block_class
 from .checkpoint import Checkpoint, OutputBuffers
 from .engram import Engram, EngramLayout, NgramHasher, compressed_token_map, tiny_token_map
 from .formats import warm_up_decoders
-from .head import Embedding, Head, HyperHead
+from .head import Embedding
 from .host import MallocTuning, Readahead, meminfo_kib, reset_peak_rss, status_kib
 from .model import Model
 from .numerics import Numerics, TieStats
@@ -277,16 +277,17 @@ def _stage_step(run: _StageRun, stage: int):
         return _embed_stage_step(Embedding(cfg).load(w), cfg.hc_mult, opts), nbytes
     L = stage - 1
     w, nbytes = _load_layer(ck, L, opts.device, run.buffers, opts.precision, opts.stream_experts)
-    block = block_class(cfg)(cfg, L, opts.index_k).load(w)
+    block = arch_of(cfg).block(cfg, L, opts.index_k).load(w)
     engram = Engram(cfg, L).load(w) if L in cfg.engram_layer_ids else None
     return _layer_stage_step(block, engram, run.hasher, opts), nbytes
 
 
 def _next_prefixes(cfg, stage: int, n_stages: int) -> list[str]:
-    """What the stage after `stage` reads, for the readahead."""
+    """What the stage after `stage` reads, for the readahead (a linear by its prefix, as byte_ranges takes it)."""
     if stage + 1 < n_stages:
         return [f"layers.{stage}"]
-    return ["head", "norm.weight"] + ([f"hc_head_{k}" for k in ("fn", "base", "scale")] if cfg.is_v4 else [])
+    return [name.removesuffix(".weight") if kind == "linear" else name
+            for name, kind in arch_of(cfg).head_tensors.items()]
 
 
 @dataclass
@@ -409,7 +410,7 @@ def _layer_stage_step(block: Block, engram: Engram | None, hasher: NgramHasher |
             del h, pre
         lengths = [x.shape[1] for x in ffn_inputs]
         # the token ids travel with the rows: V4's hash-routed layers pick experts by them
-        y = block.ffn(torch.cat(ffn_inputs, dim=1), None, runs[0][0].num, torch.cat(group_ids, dim=1))
+        y = block.moe(torch.cat(ffn_inputs, dim=1), runs[0][0].num, input_ids=torch.cat(group_ids, dim=1))
         del ffn_inputs
         out = []
         for (st, pending), y_seq in zip(runs, torch.split(y, lengths, dim=1)):
@@ -424,11 +425,9 @@ def _head_stage(ck, panel: EncodedPanel, reader: StageReader, opts: RunOptions, 
     cfg = ck.model_config
     bar.begin("head", 1 + cfg.n_layers)
     t = time.perf_counter()
-    names = {"norm.weight": "tensor", "head.weight": "linear"}
-    if cfg.is_v4:  # the V4 head collapses the streams with its own hc_head weights
-        names.update({f"hc_head_{k}": "tensor" for k in ("fn", "base", "scale")})
-    w, nbytes = _load_named(ck, names, opts.device)
-    head = (HyperHead(cfg) if cfg.is_v4 else Head(cfg)).load(w)
+    arch = arch_of(cfg)
+    w, nbytes = _load_named(ck, arch.head_tensors, opts.device)
+    head = arch.head(cfg).load(w)
     stats.read_s += time.perf_counter() - t
     if nbytes > stats.largest_stage_weight_bytes:
         stats.largest_stage_weight_bytes, stats.largest_stage_name = nbytes, "head"
@@ -611,7 +610,7 @@ def _capture(st: ModelState, h: torch.Tensor, pre: torch.Tensor) -> tuple[dict[s
         else:
             raise TypeError(f"runner: SharedRuntime.{f.name} has type {type(v).__name__}, which it cannot store")
     for L, cache in st.shared.caches.items():
-        for f in dataclasses.fields(LayerCache):
+        for f in dataclasses.fields(cache):
             v = getattr(cache, f.name)
             if v is not None and f.name not in PREFILL_ONLY_CACHE_FIELDS:
                 arrays[f"cache.{L}.{f.name}"] = v.cpu().numpy()

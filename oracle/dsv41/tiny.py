@@ -23,7 +23,7 @@ from core.atomic import atomic_path, atomic_write_text
 from . import formats as F
 from .checkpoint import PLAN_NAME, Checkpoint
 from .engram import engram_prime_rows
-from .inventory import expected_inventory
+from .arch import expected_inventory
 from .shard_io import INDEX_NAME
 from .config import V4_ONLY_FIELDS, ModelConfig
 from .quant import e4m3_rne, pow2ceil

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from oracle.dsv41 import formats as F
 from oracle.dsv41.checkpoint import INDEX_NAME, PLAN_NAME, Checkpoint, CheckpointError, parse_moe_plan
 from oracle.dsv41.engram import engram_prime_rows
-from oracle.dsv41.inventory import expected_inventory
+from oracle.dsv41.arch import expected_inventory
 from oracle.dsv41.config import ModelConfig
 from oracle.dsv41.tiny import write_tiny_checkpoint, write_tiny_exl3_pack
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.records import Record
+from oracle.dsv41.arch import V4, arch_of
 from oracle.dsv41.block_v4 import BlockV4
 from oracle.dsv41.checkpoint import Checkpoint, CheckpointError
 from oracle.dsv41.model import Model
@@ -105,7 +106,7 @@ def panel_json(tmp_path_factory) -> Path:
 def test_the_tiny_v4_checkpoint_loads_unchanged_as_a_v4_model(tiny_v4):
     ck = Checkpoint(tiny_v4)  # every official tensor claimed by the V4 inventory; none missing, none extra
     cfg = ck.model_config
-    assert cfg.is_v4 and ck.fp8_block == (128, 128) and cfg.compress_ratios == (0, 4, 128, 4)
+    assert arch_of(cfg) is V4 and ck.fp8_block == (128, 128) and cfg.compress_ratios == (0, 4, 128, 4)
     assert set(ck.tensor_names()) == set(json.loads((tiny_v4 / "model.safetensors.index.json").read_text())["weight_map"])
     w = ck.load_layer(0)
     assert w["ffn.gate.tid2eid"].shape == (512, 6) and "ffn.gate.bias" not in w

@@ -4,17 +4,23 @@ Hadamard matrix, and worked examples by hand (dsv4-engine.md §5 gives the rules
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.linalg
 import torch
 
-from oracle.dsv41.attention_v4 import compressed_indices_v4, head_rmsnorm, window_indices_v4
-from oracle.dsv41.inventory import inventory_v4
+import oracle
+from oracle.dsv41.arch import V4, V41, arch_of, expected_inventory
+from oracle.dsv41.block import Block
+from oracle.dsv41.block_v4 import BlockV4
+from oracle.dsv41.attention import window_indices
+from oracle.dsv41.attention_v4 import compressed_indices_v4, head_rmsnorm
+from oracle.dsv41.inventory import inventory_v4, inventory_v41
 from oracle.dsv41.compressor_v4 import CompressorV4, qdq8_nope, rotate_activation
 from oracle.dsv41.config import ConfigError, ModelConfig
-from oracle.dsv41.head import HyperHead
+from oracle.dsv41.head import Head, HyperHead
 from oracle.dsv41.moe_v4 import route_v4
 from oracle.dsv41.numerics import Numerics
 from oracle.dsv41.quant import act_quant_dequant
@@ -117,9 +123,10 @@ def test_qdq8_nope_quantises_each_64_block_to_e4m3_with_a_power_of_two_scale():
 
 
 def test_window_and_compressed_index_lists_worked_examples():
-    assert window_indices_v4(0, 5, 3).tolist() == [[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [2, 3, 4]]
-    assert window_indices_v4(1, 1, 3).tolist() == [[0, 1, -1]]  # ring not full: filled slots, then -1
-    assert window_indices_v4(5, 1, 3).tolist() == [[3, 4, 5]]  # oldest first
+    v4_order = {"empty_slots_first": False}
+    assert window_indices(0, 5, 3, **v4_order).tolist() == [[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [2, 3, 4]]
+    assert window_indices(1, 1, 3, **v4_order).tolist() == [[0, 1, -1]]  # ring not full: filled slots, then -1
+    assert window_indices(5, 1, 3, **v4_order).tolist() == [[3, 4, 5]]  # oldest first
     # ratio 4, 9 tokens, compressed rows at offset 100: entry j visible once (t + 1) // 4 > j
     want = [[-1, -1]] * 3 + [[100, -1]] * 4 + [[100, 101]] * 2
     assert compressed_indices_v4(4, 0, 9, 100).tolist() == want
@@ -205,14 +212,36 @@ def _hf_v4(**kw):
 
 def test_a_v4_config_maps_its_keys_and_takes_the_v4_defaults():
     cfg = ModelConfig.from_dict(_hf_v4())
-    assert cfg.arch == "v4" and cfg.is_v4
+    assert cfg.arch == "v4" and arch_of(cfg) is V4
     assert (cfg.dim, cfg.n_layers, cfg.n_mtp_layers, cfg.n_hash_layers) == (256, 4, 0, 2)
     assert cfg.compress_ratios == (0, 4, 128, 4) and cfg.norm_eps == 1e-6 and cfg.scale_fmt == "ue8m0"
     assert cfg.engram_layer_ids == () and cfg.dspark_block_size == 0 and cfg.vision_n_layers == 0
     assert (cfg.rope_factor, cfg.original_seq_len, cfg.window_size) == (16.0, 65536, 128)
     assert [cfg.is_hash_layer(L) for L in range(4)] == [True, True, False, False]
-    assert ModelConfig.from_dict({k: v for k, v in _hf_v4().items() if k not in ("architectures", "model_type")}).is_v4
-    assert not ModelConfig.tiny().is_v4  # V4.1 stays V4.1
+    assert ModelConfig.from_dict({k: v for k, v in _hf_v4().items() if k not in ("architectures", "model_type")}).arch == "v4"
+    assert arch_of(ModelConfig.tiny()) is V41  # V4.1 stays V4.1
+
+
+def test_the_arch_is_chosen_once_from_the_config_and_names_what_differs():
+    v4, v41 = arch_of(small_v4_config()), arch_of(ModelConfig.tiny())
+    assert (v4.block, v4.head, v4.inventory) == (BlockV4, HyperHead, inventory_v4)
+    assert (v41.block, v41.head, v41.inventory) == (Block, Head, inventory_v41)
+    assert set(v4.head_tensors) - set(v41.head_tensors) == {"hc_head_fn", "hc_head_base", "hc_head_scale"}
+    # what the head stage reads is exactly the inventory's top-level tensors that are not the embedding
+    for arch, cfg in ((v4, small_v4_config()), (v41, ModelConfig.tiny())):
+        inv = arch.inventory(cfg)
+        top = {n for n in inv.tensors if "." not in n.removesuffix(".weight")} | {f"{p}.weight" for p in inv.linears
+                                                                                   if "." not in p}
+        assert top - {"embed.weight"} == set(arch.head_tensors), arch.name
+        assert expected_inventory(cfg) == inv
+
+
+def test_no_branch_on_the_architecture_outside_the_arch_module():
+    """The oracle asks arch_of(cfg) for what differs; `is_v4` (the old branch flag) is gone everywhere."""
+    root = Path(oracle.__file__).parent
+    hits = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p.name != "arch.py"
+            for n, line in enumerate(p.read_text().splitlines(), 1) if "is_v4" in line]
+    assert hits == []
 
 
 @pytest.mark.parametrize("change,match", [
