@@ -139,7 +139,8 @@ class ReportSection:
 @dataclass(frozen=True, config=_RECORD)
 class GateResults:
     """A gate run's results.json. Each ``with_*`` returns a new value; an entry keyed like an earlier one
-    (gate name, flag, node id, section title) replaces it."""
+    replaces it: a gate entry by (gate, profile, flag) — the demo gates several profiles in one run —, a flag A/B
+    by flag, an outcome by node id, a section by title."""
 
     format: Literal["ds41-results/1"] = FORMAT_VERSION
     gates: Seq[GateEntry] = ()
@@ -149,8 +150,9 @@ class GateResults:
     sections: Seq[ReportSection] = ()
 
     # ------------------------------------------------------------------ reading
-    def gate(self, name: str) -> GateEntry | None:
-        return next((g for g in self.gates if g.gate == name), None)
+    def gate(self, name: str, profile: str | None = None) -> GateEntry | None:
+        """The entry of gate ``name`` (of ``profile``, when given; else the first)."""
+        return next((g for g in self.gates if g.gate == name and profile in (None, g.profile)), None)
 
     def flag(self, name: str) -> FlagABResult | None:
         return next((f for f in self.flag_ab if f.flag == name), None)
@@ -163,7 +165,7 @@ class GateResults:
 
     # ------------------------------------------------------------------ writing (pure)
     def with_gate(self, entry: GateEntry) -> GateResults:
-        return dataclasses.replace(self, gates=_replaced(self.gates, entry, lambda e: e.gate))
+        return dataclasses.replace(self, gates=_replaced(self.gates, entry, lambda e: (e.gate, e.profile, e.flag)))
 
     def with_flag_verdict(self, flag: str, cls: str, kind: str, profile: str,
                           verdict: FlagGateVerdict) -> GateResults:

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from core.results import FILE_NAME as RESULTS_FILE
+from core.results import GateEntry, GateResults, headline
 from core.verdicts import judge
 from ds41gates import pipeline
 from engine.endpoint import (
@@ -43,7 +45,7 @@ def demo_app(
     encoded, model_dir = target.encoded, target.model_dir
     ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle, precision=target.precision)
 
-    engines, gates = [], []
+    engines, gates, results = [], [], GateResults()
     for prof in profiles:
         with EngineServer(prof) as server:
             eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
@@ -51,6 +53,9 @@ def demo_app(
         _, gate = judge(ref, eng, prof.name, prof.name, target.bands)
         engines.append((prof.name, eng))
         gates.append(gate)
+        results = results.with_gate(GateEntry("kl_panel", gate.passed, profile=prof.name, failures=gate.failures,
+                                              metrics=headline(gate.summary), evidence={"summary": gate.summary}))
+        results.save(out_dir / RESULTS_FILE)   # after every engine, as the gate suite: a crash keeps the verdicts
 
     paths = pipeline.write_report(ref, engines, out_dir, gates)
     table = Table(title=f"KL panel gate · {encoded.panel_name}@{encoded.panel_version} · "

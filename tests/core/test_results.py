@@ -52,8 +52,12 @@ def test_round_trip_keeps_every_typed_field(tmp_path):
 
 
 def test_a_later_entry_with_the_same_key_replaces_the_earlier_in_place():
-    r = _full().with_gate(GateEntry("kl_panel", False, failures=["kl too high"]))
+    r = _full().with_gate(GateEntry("kl_panel", False, profile="vllm-cpu-fp32", failures=["kl too high"]))
     assert [g.gate for g in r.gates] == ["kl_panel", "prefix_cache"] and r.gate("kl_panel").passed is False
+    # another profile's verdict of the same gate (the demo gates several) stands beside it
+    r = r.with_gate(GateEntry("kl_panel", True, profile="sglang-cpu-fp32"))
+    assert [(g.gate, g.profile) for g in r.gates][::2] == [("kl_panel", "vllm-cpu-fp32"), ("kl_panel", "sglang-cpu-fp32")]
+    assert r.gate("kl_panel", "sglang-cpu-fp32").passed is True and r.gate("kl_panel").passed is False
     r = r.with_flag_verdict("fast_path", "exact", "env", "p", FlagGateVerdict("bitwise_greedy", True, "ok"))
     assert [v.gate for v in r.flag("fast_path").gates] == ["bitwise_panel", "bitwise_greedy"]
     assert r.flag("fast_path").passed is True
