@@ -171,3 +171,55 @@ def test_the_circle_check_finds_a_circle(tmp_path):
     _write(tmp_path, "oracle/b.py", "def f():\n    from oracle.a import A\n")
     _write(tmp_path, "oracle/c.py", "from oracle import a\n")
     assert import_circles(tmp_path) == [["oracle.a", "oracle.b"]]
+
+
+# Inside a package the same rule holds between the rooms that issue 30 split out of one file: the profile schema and
+# process supervision under the launcher, the launcher under the gate target that names its model providers; the
+# tensor inventory and shard I/O under the architecture, the architecture under the checkpoint and the runner; the
+# typed results on the ground floor's upper storey, above the atomic writes and redaction it uses.
+ROOMS: dict[str, list[tuple[str, ...]]] = {
+    "engine": [("engine.profiles", "engine.supervise"), ("engine.launcher",), ("engine.target",)],
+    "oracle.dsv41": [("oracle.dsv41.config",), ("oracle.dsv41.inventory", "oracle.dsv41.shard_io"),
+                     ("oracle.dsv41.arch",), ("oracle.dsv41.checkpoint", "oracle.dsv41.workdir"),
+                     ("oracle.dsv41.runner",)],
+    "core": [("core.atomic", "core.errors", "core.redact"), ("core.results", "core.records")],
+}
+
+
+def upward_room_imports(root: Path = REPO, rooms: dict[str, list[tuple[str, ...]]] = ROOMS) -> list[str]:
+    modules = house_modules(root)
+    problems = []
+    for storeys in rooms.values():
+        storey_of = {m: i for i, storey in enumerate(storeys) for m in storey}
+        for module, own in storey_of.items():
+            if module not in modules:
+                problems.append(f"{module}: named in ROOMS but not in the house")
+                continue
+            for target, line, names in imports_of(module, modules[module]):
+                for imported in [target] + [f"{target}.{n}" for n in names]:
+                    if storey_of.get(imported, -1) > own:
+                        problems.append(f"{modules[module].relative_to(root)}:{line}: {module} (storey {own}) "
+                                        f"imports {imported} (storey {storey_of[imported]})")
+    return problems
+
+
+def test_the_split_rooms_import_only_downwards():
+    assert upward_room_imports() == []
+
+
+def test_the_room_rule_catches_an_upward_import(tmp_path):
+    _write(tmp_path, "engine/__init__.py", "")
+    _write(tmp_path, "engine/profiles.py", "def f():\n    from engine.launcher import EngineServer\n")
+    _write(tmp_path, "engine/launcher.py", "from engine import profiles\n")
+    problems = upward_room_imports(tmp_path, {"engine": [("engine.profiles",), ("engine.launcher",)]})
+    assert len(problems) == 1 and problems[0].startswith("engine/profiles.py:2: engine.profiles (storey 0)")
+
+
+def test_the_architecture_is_chosen_in_one_place():
+    """`is_v4` branches were the DeepSeek-V4 seam; the architecture object is now the only place that may ask."""
+    hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "oracle").rglob("*.py"))
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if "is_v4" in line and p.name != "arch.py"]
+    hits += [f"{p.relative_to(REPO)}" for pkg in ("engine", "ds41gates", "gates", "nightly", "core")
+             for p in sorted((REPO / pkg).rglob("*.py")) if "is_v4" in p.read_text(encoding="utf-8")]
+    assert hits == []
