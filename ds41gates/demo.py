@@ -54,7 +54,7 @@ def demo_app(
         engines.append((prof.name, eng))
         gates.append(gate)
         results = results.with_gate(GateEntry("kl_panel", gate.passed, profile=prof.name, failures=gate.failures,
-                                              metrics=headline(gate.summary), evidence={"summary": gate.summary}))
+                                              metrics=headline(gate.summary)))
         results.save(out_dir / RESULTS_FILE)   # after every engine, as the gate suite: a crash keeps the verdicts
 
     paths = pipeline.write_report(ref, engines, out_dir, gates)

@@ -20,7 +20,7 @@ def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoi
     gate_results.add(GateEntry("kl_panel", gate.passed, profile=gate.profile, failures=gate.failures,
                                metrics=headline(gate.summary),
                                # the origin(s) whose answers this verdict rests on (the engine record's own)
-                               evidence={"summary": gate.summary, "metrics": result.as_dict(),
+                               evidence={"metrics": result.as_dict(),
                                          "answered_by": panel_engine_record.provenance.extra.get("answered_by")}))
     assert result.overall.n_positions == panel_reference.n_positions
     assert gate.passed, "KL panel gate failed:\n" + "\n".join(gate.failures)
