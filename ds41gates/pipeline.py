@@ -29,23 +29,6 @@ def encode_profile_panel(profile: str | None, panel: str | None = None):
     return t.encoded, t.model_dir, t.oracle
 
 
-def served_model(profile: str | None):
-    """Compatibility for ds41gates/pytest_plugin.py until it reads engine.target itself (issue 30): the
-    profile's GateTarget, or None when it gates the embedded default. New code: engine.target.gate_target."""
-    from engine.profiles import DEFAULT_GATE_TARGET
-    from engine.target import gate_target
-
-    target = gate_target(profile)
-    return None if target == DEFAULT_GATE_TARGET else target
-
-
-def profile_model_dir(profile: str | None) -> Path:
-    """Compatibility for ds41gates/pytest_plugin.py (see served_model): the folder the profile's oracle loads."""
-    from engine.target import resolve_gate_target
-
-    return resolve_gate_target(profile, encode=False).model_dir
-
-
 def _echo(msg: str) -> None:
     from rich.console import Console
 

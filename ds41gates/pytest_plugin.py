@@ -461,22 +461,41 @@ def flag_registry(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session")
-def gate_tokenizer(gate_session: GateSession):
-    """The served model's tokenizer and chat format — the profile's own model (the DeepSeek tokenizer and chat
-    encoding for vllm-cpu-dsv4), else SmolLM2's: the ids the engine-behaviour gates send."""
-    from ds41gates.pipeline import served_model
-    from engine.models import default_model_dir
-    from panels import load_tokenizer
+def gate_target(gate_session: GateSession):
+    """What the profile under test is gated on, resolved once per session from its [gate] table
+    (engine.target.ResolvedTarget): model folder, panel encoded as that model reads it, tokenizer, oracle and
+    precision, bands and gate sizes. No profile, or one without [gate]: the embedded default (SmolLM2)."""
+    from engine.target import resolve_gate_target
 
-    sm = served_model(gate_session.options.engine_profile)
-    return load_tokenizer(sm.tokenizer) if sm is not None else load_tokenizer(default_model_dir())
+    opts = gate_session.options
+    try:
+        return resolve_gate_target(opts.engine_profile, opts.panel)
+    except UserError as exc:
+        _stop_for_user_error(f"--engine-profile {opts.engine_profile}: {exc}")
 
 
 @pytest.fixture(scope="session")
-def panel_reference(gate_session: GateSession):
-    """The oracle reference record: --reference FILE, or the profile's own panel on its own model."""
+def gate_tokenizer(gate_target):
+    """The served model's tokenizer and chat format (the target's: the DeepSeek tokenizer and chat encoding for
+    vllm-cpu-dsv4, else SmolLM2's): the ids the engine-behaviour gates send."""
+    from panels import load_tokenizer
+
+    return load_tokenizer(gate_target.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def gate_bands(gate_target) -> Path:
+    """The KL bands file of the profile's target (gates/bands.toml unless its [gate] table names another)."""
+    return gate_target.bands
+
+
+@pytest.fixture(scope="session")
+def panel_reference(gate_session: GateSession, request: pytest.FixtureRequest):
+    """The oracle reference record: --reference FILE, or the target's panel on the target's model by the target's
+    oracle at the target's precision."""
     from core.records import Record
     from ds41gates import pipeline
+    from engine.target import serves_embedded_default
 
     opts = gate_session.options
     if opts.reference:
@@ -488,11 +507,11 @@ def panel_reference(gate_session: GateSession):
             _stop_for_user_error(f"--reference {opts.reference}: is an {ref.provenance.side} record; the reference "
                                  "must be an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
-        if opts.engine_url and pipeline.served_model(opts.engine_profile) is None:
+        if opts.engine_url and serves_embedded_default(opts.engine_profile):
             _require_default_model(gate_session, opts.engine_url)   # before minutes of building a reference
-        # the profile's own model and panel (the tiny DeepSeek-V4 on vllm-cpu-dsv4), else the embedded default
-        encoded, model_dir, oracle = pipeline.encode_profile_panel(opts.engine_profile, opts.panel)
-        ref, _ = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
+        target = request.getfixturevalue("gate_target")
+        ref, _ = pipeline.ensure_reference(target.encoded, target.model_dir, oracle=target.oracle,
+                                           precision=target.precision)
     gate_session.run.reference = ref
     return ref
 
@@ -518,14 +537,14 @@ def engine_endpoint(gate_session: GateSession):
 
     opts = gate_session.options
     if opts.engine_url:
-        from ds41gates.pipeline import served_model
         from engine.launcher import load_profile
+        from engine.target import serves_embedded_default
 
         register_url_credentials(opts.engine_url)
         root = opts.engine_url.rstrip("/").removesuffix("/v1")
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
         models = _served_models(opts.engine_url, root, key)
-        if not opts.reference and served_model(opts.engine_profile) is None:
+        if not opts.reference and serves_embedded_default(opts.engine_profile):
             _require_default_model(gate_session, opts.engine_url, models)
         kind, label = "vllm", "default"
         if opts.engine_profile:
@@ -566,12 +585,13 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
 # ------------------------------------------------------------------------------------------------ fixture helpers
 
 def _launch_endpoint(profile_name: str, flags=(), overrides=None, echo=None):
-    """Start a server from a shipped profile: the embedded default model, or the profile's own."""
-    from ds41gates import pipeline
+    """Start a server from a shipped profile, serving its gate target's model (the embedded default unless its
+    [gate] table names another)."""
     from engine import endpoint
+    from engine.target import resolve_gate_target
 
-    return endpoint.launch_endpoint(profile_name, pipeline.profile_model_dir(profile_name), flags=flags,
-                                    overrides=overrides, echo=echo)
+    model_dir = resolve_gate_target(profile_name, encode=False).model_dir
+    return endpoint.launch_endpoint(profile_name, model_dir, flags=flags, overrides=overrides, echo=echo)
 
 
 def _stop_for_user_error(message: str):

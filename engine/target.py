@@ -68,6 +68,11 @@ def gate_target(profile: ProfileRef) -> GateTarget:
     return prof.gate if prof is not None else DEFAULT_GATE_TARGET
 
 
+def serves_embedded_default(profile: ProfileRef) -> bool:
+    """Whether the profile is gated on the embedded default (SmolLM2) rather than a model of its own."""
+    return gate_target(profile) == DEFAULT_GATE_TARGET
+
+
 def _where(prof: Profile | None) -> str:
     return str(prof.source) if prof is not None and prof.source else "the embedded default gate target"
 

@@ -79,19 +79,11 @@ def load_gate_config(override: str | os.PathLike | None = None) -> dict[str, dic
     return cfg
 
 
-def profile_config(profile: str | None) -> Path | None:
-    """A profile's own CI sizes (the slow DeepSeek-V4 CPU engine's): the `sizes` file its [gate] table declares
-    (engine/profiles/<profile>.toml), if it declares one."""
-    from engine.target import gate_sizes
-
-    return gate_sizes(profile) if profile else None
-
-
 @pytest.fixture(scope="session")
-def gate_config(request) -> dict[str, dict[str, Any]]:
-    """DS41_GATES_CONFIG when set, else the profile's own gates/config-<profile>.toml when it has one, over
-    gates/config.toml; the file used is printed, so a run says which sizes it gated at."""
-    own = None if os.environ.get("DS41_GATES_CONFIG") else profile_config(request.config.getoption("--engine-profile"))
+def gate_config(gate_target) -> dict[str, dict[str, Any]]:
+    """DS41_GATES_CONFIG when set, else the sizes file the profile's [gate] table declares (gate_target.sizes) when
+    it declares one, over gates/config.toml; the file used is printed, so a run says which sizes it gated at."""
+    own = None if os.environ.get("DS41_GATES_CONFIG") else gate_target.sizes
     if own is not None:
         print(f"\ngate sizes: {CONFIG.name} with {own.name} over it (the profile's own)")
     return load_gate_config(own)

@@ -23,7 +23,6 @@ import time
 import pytest
 
 from core.results import FlagGateVerdict
-from gates import BANDS_FILE
 from gates.lib import flag_ab as verdicts
 from nightly import flag_ab as stats
 from nightly.flags import FlagRegistryError, check_profile, load_registry
@@ -172,11 +171,11 @@ def test_bitwise_greedy(entry, off_greedy, on_greedy, gate_results, engine_endpo
 
 
 @guards("kl_band")
-def test_kl_band(entry, panel_reference, on_record, gate_results, engine_endpoint):
+def test_kl_band(entry, panel_reference, on_record, gate_results, engine_endpoint, gate_bands):
     from core.verdicts import judge
 
     band = entry.thresholds.band_profile or engine_endpoint.profile
-    _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", BANDS_FILE)
+    _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", gate_bands)
     gate_results.panel_gates.append(pg)
     verdict = verdicts.band_verdict(pg.passed, pg.failures, band, pg.summary)
     _settle(verdict, entry, gate_results, engine_endpoint.profile)

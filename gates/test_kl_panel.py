@@ -1,21 +1,20 @@
 """Gate: per-domain KL panel (gates.md §3) — the engine's prompt logprobs against the fp32 oracle.
 
 Pass rule per domain: mean and p99 KL_part, top-1 on decided positions and |ln PPL ratio| within the
-profile's bands (gates/bands.toml), and no infinite position. Guards every `numerics` flag.
+profile's bands (its [gate] table's bands file; gates/bands.toml by default), and no infinite position. Guards every `numerics` flag.
 """
 
 import pytest
 
 from core.results import GateEntry, headline
 from core.verdicts import judge
-from gates import BANDS_FILE
 
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
-def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results):
+def test_kl_panel_per_domain(panel_reference, panel_engine_record, engine_endpoint, gate_results, gate_bands):
     result, gate = judge(panel_reference, panel_engine_record, engine_endpoint.profile,
-                         label=engine_endpoint.profile, bands_file=BANDS_FILE)
+                         label=engine_endpoint.profile, bands_file=gate_bands)
     gate_results.panel_gates.append(gate)
     gate_results.add(GateEntry("kl_panel", gate.passed, profile=gate.profile, failures=gate.failures,
                                metrics=headline(gate.summary),

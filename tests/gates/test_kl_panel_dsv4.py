@@ -141,11 +141,13 @@ def _prefix_cache_as_documented(prefix: GateEntry, flags: tuple[str, ...]) -> di
 @pytest.mark.engine
 def test_kl_gate_on_the_real_engine_fails_when_one_config_field_differs(dsv4_url, tmp_path):
     from ds41gates import pipeline
+    from engine.target import resolve_gate_target
     from oracle.dsv41.checkpoint import Checkpoint
     from oracle.dsv41.runner import RunOptions, run_to_file
 
-    wrong = _one_field_changed(pipeline.profile_model_dir(PROFILE), tmp_path / "ck")
-    encoded, _, _ = pipeline.encode_profile_panel(PROFILE)
+    target = resolve_gate_target(PROFILE)
+    wrong = _one_field_changed(target.model_dir, tmp_path / "ck")
+    encoded = target.encoded
     ref = tmp_path / "wrong-ref.safetensors"
     run_to_file(Checkpoint(wrong), encoded, ref, tmp_path / "work",
                 RunOptions(precision="fp32", threads=1, top_k=pipeline.ORACLE_TOP_K, progress=False))
@@ -159,12 +161,13 @@ def test_kl_gate_verdicts_with_the_engine_side_stood_in_by_transformers_bf16(tmp
     from core.verdicts import judge
     from ds41gates import pipeline
     from engine.endpoint import DEFAULT_ENGINE_K
+    from engine.target import resolve_gate_target
     from gates import BANDS_FILE
     from oracle.hf import HFOracle, HFPanelOracle
     from oracle.hf_dsv4 import to_transformers_bf16
 
-    served = pipeline.profile_model_dir(PROFILE)
-    encoded, _, _ = pipeline.encode_profile_panel(PROFILE)
+    target = resolve_gate_target(PROFILE)
+    served, encoded = target.model_dir, target.encoded
     orc = HFOracle.load(served, threads=1)
     right = HFPanelOracle(served, top_k=pipeline.ORACLE_TOP_K, oracle=orc).score(encoded)
     to_transformers_bf16(orc.model)
@@ -186,10 +189,12 @@ def test_kl_gate_verdicts_with_the_engine_side_stood_in_by_transformers_bf16(tmp
 def test_the_profile_is_gated_on_the_deepseek_panel_with_the_deepseek_encoding():
     import panels
     from ds41gates import pipeline
+    from engine.target import gate_target, serves_embedded_default
 
-    sm = pipeline.served_model(PROFILE)
-    assert (sm.panel, sm.tokenizer, sm.oracle) == ("dsv4-ci", "deepseek", "deepseek")
-    assert pipeline.served_model("vllm-cpu-fp32") is None   # the SmolLM2 profiles keep the embedded default
+    sm = gate_target(PROFILE)
+    assert (sm.panel, sm.tokenizer, sm.oracle, sm.precision) == ("dsv4-ci", "deepseek", "deepseek", "fp32")
+    assert not serves_embedded_default(PROFILE)
+    assert serves_embedded_default("vllm-cpu-fp32")   # the SmolLM2 profiles keep the embedded default
     panel = panels.load_panel("dsv4-ci@1")
     assert sorted({i.domain for i in panel.items}) == sorted(
         ["code", "math", "agentic", "knowledge", "multilingual", "chat", "writing", "structured"])
