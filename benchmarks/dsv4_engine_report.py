@@ -48,12 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     from core.metrics import panel_metrics
     from core.records import Record
     from ds41gates import pipeline
+    from engine.target import resolve_gate_target
     from oracle.hf import HFPanelOracle
 
     engine = Record.load(args.engine_record)
-    encoded, model_dir, oracle = pipeline.encode_profile_panel(PROFILE)
+    target = resolve_gate_target(PROFILE)
+    encoded, model_dir = target.encoded, target.model_dir
     t0 = time.perf_counter()
-    reference, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=oracle)
+    reference, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle,
+                                                    precision=target.precision)
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
     hf = HFPanelOracle(model_dir, top_k=pipeline.ORACLE_TOP_K, threads=1).score(encoded)

@@ -112,11 +112,13 @@ def _streamed(ck_dir: Path, precision: str, work: Path) -> dict[str, torch.Tenso
 
 def _dsv4_ci(work: Path) -> dict[str, torch.Tensor]:
     """The runner as ensure_reference calls it for the vllm-cpu-dsv4 profile."""
-    from ds41gates.pipeline import ORACLE_TOP_K, encode_profile_panel
+    from ds41gates.pipeline import ORACLE_TOP_K
+    from engine.target import resolve_gate_target
     from oracle.dsv41.checkpoint import Checkpoint
     from oracle.dsv41.runner import RunOptions, run_panel
 
-    encoded, model_dir, oracle = encode_profile_panel("vllm-cpu-dsv4")
+    target = resolve_gate_target("vllm-cpu-dsv4")
+    encoded, model_dir, oracle = target.encoded, target.model_dir, target.oracle
     assert oracle == "deepseek", oracle
     rec = run_panel(Checkpoint(model_dir), encoded, work / "dsv4-ci",
                     RunOptions(precision="fp32", threads=1, top_k=ORACLE_TOP_K, progress=False))

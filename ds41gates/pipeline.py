@@ -20,15 +20,6 @@ DEFAULT_PANEL = "default"
 ORACLE_TOP_K = 256
 
 
-def encode_profile_panel(profile: str | None, panel: str | None = None):
-    """The panel a profile is gated on, encoded as its model reads it -> (EncodedPanel, model folder, oracle):
-    the profile's [gate] target resolved once (engine.target.resolve_gate_target)."""
-    from engine.target import resolve_gate_target
-
-    t = resolve_gate_target(profile, panel)
-    return t.encoded, t.model_dir, t.oracle
-
-
 def _echo(msg: str) -> None:
     from rich.console import Console
 

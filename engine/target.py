@@ -1,6 +1,6 @@
 """What a profile is gated on, resolved once: its ``[gate]`` table (engine.profiles.GateTarget) made concrete.
 
-The demo, the gate suite's plugin (through ds41gates.pipeline.encode_profile_panel), the nightly and the
+The demo, the gate suite's plugin (its session-scoped ``gate_target`` fixture), the nightly and the
 localizer all ask here, so one profile is gated on one model, panel, encoding, oracle, bands and sizes
 wherever it runs::
 

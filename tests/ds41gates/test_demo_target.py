@@ -24,9 +24,11 @@ def test_demo_on_the_deepseek_profile_references_deepseek_with_its_panel(tmp_pat
     monkeypatch.setattr(pipeline, "ensure_reference", reference)
     result = CliRunner().invoke(app, ["demo", "-p", "vllm-cpu-dsv4", "--out", str(tmp_path / "out")])
     assert isinstance(result.exception, _Stop), result.output
-    plugin_encoded, plugin_dir, plugin_oracle = pipeline.encode_profile_panel("vllm-cpu-dsv4")
-    assert seen == {"panel": plugin_encoded.panel_name, "oracle": plugin_oracle, "model_dir": plugin_dir,
-                    "precision": "fp32"}
+    from engine.target import resolve_gate_target
+
+    plugin = resolve_gate_target("vllm-cpu-dsv4")   # what the plugin's gate_target fixture resolves
+    assert seen == {"panel": plugin.encoded.panel_name, "oracle": plugin.oracle, "model_dir": plugin.model_dir,
+                    "precision": plugin.precision}
     assert seen["panel"] == "dsv4-ci" and seen["oracle"] == "deepseek"
 
 
