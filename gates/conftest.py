@@ -80,10 +80,11 @@ def load_gate_config(override: str | os.PathLike | None = None) -> dict[str, dic
 
 
 @pytest.fixture(scope="session")
-def gate_config(gate_target) -> dict[str, dict[str, Any]]:
+def gate_config(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
     """DS41_GATES_CONFIG when set, else the sizes file the profile's [gate] table declares (gate_target.sizes) when
     it declares one, over gates/config.toml; the file used is printed, so a run says which sizes it gated at."""
-    own = None if os.environ.get("DS41_GATES_CONFIG") else gate_target.sizes
+    # the target is resolved only when its sizes are used: DS41_GATES_CONFIG replaces them outright
+    own = None if os.environ.get("DS41_GATES_CONFIG") else request.getfixturevalue("gate_target").sizes
     if own is not None:
         print(f"\ngate sizes: {CONFIG.name} with {own.name} over it (the profile's own)")
     return load_gate_config(own)
