@@ -98,17 +98,20 @@ def gate_sizes(profile: ProfileRef) -> Path | None:
     return gate_files(profile)[1]
 
 
-def check_gate_target(profile: ProfileRef) -> GateTarget:
-    """Every name in the target is known and every file exists, without building a model or encoding a panel."""
+def _checked(prof: Profile | None) -> tuple[GateTarget, Path, Path | None]:
+    """(target, bands, sizes): the model a known provider and both files present."""
     from engine.launcher import MODEL_PROVIDERS
 
-    prof = _profile(profile)
     target = gate_target(prof)
     if target.model not in MODEL_PROVIDERS:
         raise ProfileError(f"{_where(prof)} [gate]: model {target.model!r} is not a model provider; "
                            f"known: {list(MODEL_PROVIDERS)} (engine.launcher.MODEL_PROVIDERS)")
-    gate_files(prof)
-    return target
+    return (target, *gate_files(prof))
+
+
+def check_gate_target(profile: ProfileRef) -> GateTarget:
+    """Every name in the target is known and every file exists, without building a model or encoding a panel."""
+    return _checked(_profile(profile))[0]
 
 
 def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode: bool = True) -> ResolvedTarget:
@@ -117,8 +120,7 @@ def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode
     from engine.launcher import default_providers
 
     prof = _profile(profile)
-    target = check_gate_target(prof)
-    bands, sizes = gate_files(prof)
+    target, bands, sizes = _checked(prof)
     model_dir = Path(default_providers()[target.model]())
     tokenizer = str(model_dir) if target.tokenizer == OWN_TOKENIZER else target.tokenizer
     encoded = None
