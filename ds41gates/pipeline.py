@@ -143,7 +143,7 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
             for r in g.rows:
                 rows.append({"engine": g.label, "profile": g.profile, **r})
         sections["KL panel gate verdicts"] = {
-            "rows": rows, "note": "pass rule of gates.md §3; bands in gates/bands.toml"}
+            "rows": rows, "note": "pass rule of gates.md §3; bands from the profile's [gate] table (gates/bands.toml unless it names another)"}
     carried = {g.label: g.pair for g in gate_results if g.pair is not None}
     pairs = [carried[label] if label in carried and carried[label].scores(ref, eng) else score_pair(ref, label, eng)
              for label, eng in engines]
