@@ -19,7 +19,7 @@ from core.paths import repo_root
 # api_server options vLLM's EngineArgs does not know (the runner's parser would also skip them, this only keeps
 # the report's list of ignored arguments short)
 _FRONTEND_ONLY = {"--host": 1, "--port": 1, "--enable-prompt-tokens-details": 0, "--api-key": 1}
-PERTURB_ENV = ("DS41_PERTURB_LAYER", "DS41_PERTURB_MODULE", "DS41_PERTURB_SCALE")
+PERTURB_ENV = ("DS41_PERTURB_LAYER", "DS41_PERTURB_MODULE", "DS41_PERTURB_SCALE", "DS41_PERTURB_FROM_POS")
 
 
 class LocalizeRunError(RuntimeError):

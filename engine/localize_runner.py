@@ -208,7 +208,8 @@ def perturb(model, spec) -> dict:
         return plugin.status(model)
     if spec is None:
         return plugin.configure(model, None)
-    return plugin.configure(model, spec["layer"], spec["module"], spec.get("scale", plugin.DEFAULT_SCALE))
+    return plugin.configure(model, spec["layer"], spec["module"], spec.get("scale", plugin.DEFAULT_SCALE),
+                            spec.get("from_pos"))
 
 
 # -- the driver ------------------------------------------------------------------------------------------------

@@ -185,3 +185,50 @@ def test_the_runners_hooks_keep_nothing_and_spill_one_file_per_layer_site_and_ca
     assert lr.assemble(str(tmp_path / "plain.spill"), str(tmp_path / "plain.safetensors"), 12, 1)["tensors"] == 0
     with safe_open(str(tmp_path / "plain.safetensors"), framework="pt") as f:
         assert list(f.keys()) == []
+
+
+class _PositionedToy(torch.nn.Module):
+    """vLLM's model signature: forward(input_ids, positions); rows are tokens, one position each."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 4)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([_Layer() for _ in range(2)])
+
+    def forward(self, input_ids, positions):
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_position_threshold_perturbs_only_rows_at_or_past_it(plugin):
+    """DS41_PERTURB_FROM_POS: the long-only planted fault (issue 39). Rows of tokens before the threshold are
+    bit-identical to the clean model's, rows at or past it are not; across two chunks the absolute positions
+    decide, not the row index."""
+    toy = _PositionedToy()
+    ids = torch.arange(8)
+    clean = toy(ids, torch.arange(8))
+    info = plugin.configure(toy, 0, "mlp", 0.5, from_pos=5)
+    assert info["from_pos"] == 5 and plugin.status(toy)["from_pos"] == 5
+    out = toy(ids, torch.arange(8))
+    assert torch.equal(out[:5], clean[:5])
+    assert not torch.isclose(out[5:], clean[5:]).all(dim=1).any()
+    # a second chunk of the same sequence (positions 4..7, keyword form): rows 0 clean, rows 1..3 perturbed
+    chunk = toy(ids[4:], positions=torch.arange(4, 8))
+    assert torch.equal(chunk[0], clean[4]) and torch.equal(chunk[1:], out[5:])
+    # moving the fault drops the positions pre-hook with it; off restores every row
+    plugin.configure(toy, None)
+    assert torch.equal(toy(ids, torch.arange(8)), clean)
+    assert not toy._forward_pre_hooks
+    with pytest.raises(plugin.PerturbError, match="position >= 0"):
+        plugin.configure(toy, 0, "mlp", 0.5, from_pos=-1)
+
+
+def test_the_position_threshold_is_read_strictly_from_the_environment(plugin):
+    assert plugin.from_pos_from_env({}) is None
+    assert plugin.from_pos_from_env({"DS41_PERTURB_FROM_POS": "2048"}) == 2048
+    with pytest.raises(plugin.PerturbError, match="DS41_PERTURB_FROM_POS='2k'"):
+        plugin.from_pos_from_env({"DS41_PERTURB_FROM_POS": "2k"})
