@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
 
 from core.atomic import atomic_path
+from core.coverage import MECHANISM_NAMES, CoverageError, check_masks
 from core.errors import UserError
 from core.redact import redact
 
@@ -34,7 +35,8 @@ Side = Literal["oracle", "engine"]
 DTYPES = {name: np.dtype(t) for name, t in (
     ("seq_offsets", np.int64), ("token_ids", np.int64), ("scored", np.bool_), ("pos_seq", np.int64),
     ("pos_index", np.int64), ("topk_ids", np.int64), ("topk_logprobs", np.float64), ("actual_logprob", np.float64),
-    ("actual_rank", np.int64), ("logsumexp", np.float64), ("full_logprobs", np.float32), ("ambiguous", np.bool_))}
+    ("actual_rank", np.int64), ("logsumexp", np.float64), ("full_logprobs", np.float32), ("ambiguous", np.bool_),
+    ("mechanisms", np.int64))}
 
 
 class RecordError(UserError, ValueError):
@@ -108,6 +110,7 @@ class SequenceScores:
     logsumexp: np.ndarray | None = None
     full_logprobs: np.ndarray | None = None
     ambiguous: np.ndarray | None = None
+    mechanisms: np.ndarray | None = None   # int64 [scored]: live DeepSeek mechanisms, bits per core.coverage
 
 
 def _where(seq_id: str, pos: int | None = None) -> str:
@@ -129,7 +132,7 @@ def _validate_sequence(s: SequenceScores, k: int) -> None:
         if got != shape:
             raise RecordError(f"{_where(s.seq_id)}: {name} has shape {got}, expected {shape} "
                               f"({n} scored positions, k={k})")
-    for name in ("logsumexp", "ambiguous"):
+    for name in ("logsumexp", "ambiguous", "mechanisms"):
         arr = getattr(s, name)
         if arr is not None and np.asarray(arr).shape != (n,):
             raise RecordError(f"{_where(s.seq_id)}: {name} has shape {np.asarray(arr).shape}, expected ({n},)")
@@ -167,10 +170,14 @@ def _side(rec: "Record") -> str:
     return "reference" if rec.provenance.side == "oracle" else rec.provenance.side
 
 
-def _content_sha256(arrays: dict[str, np.ndarray], seq_ids: list, domains: list, k: int) -> str:
+def _content_sha256(arrays: dict[str, np.ndarray], seq_ids: list, domains: list, k: int,
+                    mechanism_names: list[str] | None = None) -> str:
     """sha256 over every array (name, dtype, shape, bytes) and the sequence table: a flipped byte in a
-    logprob is otherwise a valid, different number."""
+    logprob is otherwise a valid, different number. The mechanism names join only when present, so a record
+    without them keeps the hash it always had."""
     h = hashlib.sha256(json.dumps([seq_ids, domains, k]).encode())
+    if mechanism_names is not None:
+        h.update(("mechanism_names|" + json.dumps(list(mechanism_names))).encode())
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
@@ -198,10 +205,13 @@ class Record:
     logsumexp: np.ndarray | None = None
     full_logprobs: np.ndarray | None = None
     ambiguous: np.ndarray | None = None
+    mechanisms: np.ndarray | None = None          # int64 [P] bitmask of live mechanisms (core/coverage.py)
+    mechanism_names: list[str] | None = None      # the name of each bit of `mechanisms`, bit 0 first
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_sequences(cls, provenance: Provenance, sequences: Iterable[SequenceScores], k: int | None = None) -> "Record":
+    def from_sequences(cls, provenance: Provenance, sequences: Iterable[SequenceScores], k: int | None = None,
+                       mechanism_names: list[str] | None = None) -> "Record":
         seqs = list(sequences)
         if not seqs:
             raise RecordError("a record needs at least one sequence")
@@ -247,6 +257,8 @@ class Record:
             logsumexp=opt("logsumexp", np.float64),
             full_logprobs=opt("full_logprobs", np.float32),
             ambiguous=opt("ambiguous", bool),
+            mechanisms=(mech := opt("mechanisms", np.int64)),
+            mechanism_names=None if mech is None else list(mechanism_names or MECHANISM_NAMES),
         )
 
     # ------------------------------------------------------------------ views
@@ -314,6 +326,7 @@ class Record:
             topk_ids=self.topk_ids[pos_mask], topk_logprobs=self.topk_logprobs[pos_mask],
             actual_logprob=self.actual_logprob[pos_mask], actual_rank=self.actual_rank[pos_mask],
             logsumexp=pick(self.logsumexp), full_logprobs=pick(self.full_logprobs), ambiguous=pick(self.ambiguous),
+            mechanisms=pick(self.mechanisms), mechanism_names=self.mechanism_names,
         )
 
     # ------------------------------------------------------------------ checks
@@ -362,18 +375,21 @@ class Record:
             "topk_logprobs": self.topk_logprobs, "actual_logprob": self.actual_logprob,
             "actual_rank": self.actual_rank,
         }
-        for name in ("logsumexp", "full_logprobs", "ambiguous"):
+        for name in ("logsumexp", "full_logprobs", "ambiguous", "mechanisms"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        self._check_mechanisms(path)
         meta = {
-            "content_sha256": _content_sha256(tensors, self.seq_ids, self.domains, self.k),
+            "content_sha256": _content_sha256(tensors, self.seq_ids, self.domains, self.k, self.mechanism_names),
             "format": FORMAT_VERSION,
             "provenance": redact(self.provenance.to_json()),   # an engine URL may carry user:password@
             "seq_ids": json.dumps(self.seq_ids),
             "domains": json.dumps(self.domains),
             "k": str(self.k),
         }
+        if self.mechanism_names is not None:
+            meta["mechanism_names"] = json.dumps(list(self.mechanism_names))
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
         return path
@@ -414,13 +430,21 @@ class Record:
                 raise RecordError(f"{path}: record metadata {name} must be a list of strings")
         if k < 1:
             raise RecordError(f"{path}: record metadata k={k}; must be at least 1")
+        mechanism_names = None
+        if "mechanism_names" in meta:
+            try:
+                mechanism_names = json.loads(meta["mechanism_names"])
+            except ValueError as exc:
+                raise RecordError(f"{path}: record metadata mechanism_names unreadable ({exc})") from None
+            if not isinstance(mechanism_names, list) or not all(isinstance(v, str) for v in mechanism_names):
+                raise RecordError(f"{path}: record metadata mechanism_names must be a list of strings")
         stored = meta.get("content_sha256")
         if stored is None and not trust_unhashed:
             raise RecordError(f"{path}: record has no content_sha256 (written before records were hashed, or by "
                               "another tool), so an edit of it would go unnoticed; if you trust this file, re-hash "
                               f"it: python -m core.records rehash {path} (in code: Record.load(path, "
                               "trust_unhashed=True))")
-        if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k):
+        if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k, mechanism_names):
             raise RecordError(f"{path}: the record's arrays, ids or domains do not match its content_sha256 "
                               "(the file was corrupted or edited after it was written)")
         rec = cls(
@@ -431,6 +455,8 @@ class Record:
             logsumexp=arrays.get("logsumexp"),
             full_logprobs=arrays.get("full_logprobs"),
             ambiguous=arrays.get("ambiguous"),
+            mechanisms=arrays.get("mechanisms"),
+            mechanism_names=mechanism_names,
             **{n: arrays[n] for n in required},
         )
         rec._check_consistent(path)
@@ -456,16 +482,29 @@ class Record:
             raise RecordError(f"{where}: top-k arrays are not [{p}, {self.k}]")
         if self.pos_seq.shape != (p,):
             raise RecordError(f"{where}: pos_seq has shape {self.pos_seq.shape}, expected ({p},)")
-        for name in ("logsumexp", "ambiguous"):
+        for name in ("logsumexp", "ambiguous", "mechanisms"):
             arr = getattr(self, name)
             if arr is not None and arr.shape != (p,):
                 raise RecordError(f"{where}: {name} has shape {arr.shape}, expected ({p},)")
+        self._check_mechanisms(where)
         if self.full_logprobs is not None and (self.full_logprobs.ndim != 2 or len(self.full_logprobs) != p):
             raise RecordError(f"{where}: full_logprobs must be [{p} scored positions, vocab]")
         if len(self.domains) != n_seq or len(set(self.seq_ids)) != n_seq:
             raise RecordError(f"{where}: {n_seq} sequence ids (unique: {len(set(self.seq_ids))}) "
                               f"and {len(self.domains)} domains")
         self._check_values(where)
+
+    def _check_mechanisms(self, where: Path | str) -> None:
+        """The mechanism masks and their names come together, and every set bit is named."""
+        if (self.mechanisms is None) != (self.mechanism_names is None):
+            has, lacks = ("mechanisms", "mechanism_names") if self.mechanism_names is None else (
+                "mechanism_names", "mechanisms")
+            raise RecordError(f"{where}: record has {has} but no {lacks} (they come together)")
+        if self.mechanisms is not None:
+            try:
+                check_masks(self.mechanisms, self.mechanism_names, "mechanisms")
+            except CoverageError as exc:
+                raise RecordError(f"{where}: {exc}") from None
 
     def vocab_size(self) -> int | None:
         """The vocabulary size when the record knows it (full logprobs, or `vocab_size` in provenance); a
