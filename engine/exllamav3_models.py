@@ -27,7 +27,7 @@ from .models import cache_root
 
 CONVERT = ["-hb", "16", "-cr", "16", "-cc", "256"]
 _EXL3 = re.compile(r"^dsv4-tiny-exl3-b(?P<bits>[2-8](?:\.5)?)$")
-NAMES = ("dsv4-tiny-bf16", "dsv4-tiny-exl3-b4", "dsv4-tiny-exl3-b2")
+NAMES = ("dsv4-tiny-bf16", "dsv4-tiny-exl3-b4", "dsv4-tiny-exl3-b3", "dsv4-tiny-exl3-b2")
 
 
 def bits_of(name: str) -> float | None:

@@ -114,7 +114,7 @@ class Exl3Backend:
     """exllamav3 on one CUDA device: Config → Model → Cache → Generator (ArgmaxSampler, logits returned)."""
 
     def __init__(self, model_dir: str, cache_tokens: int = 32768, max_batch_size: int = 16,
-                 checkpoint_interval: int = api.PAGE_SIZE, device: str = "cuda:0"):
+                 checkpoint_interval: int = api.PAGE_SIZE, device: str = "cuda:0", draft_mtp: bool = False):
         from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Model, Tokenizer
 
         install_salted_hashing()
@@ -127,6 +127,16 @@ class Exl3Backend:
         kw = {}
         if self.model.caps.get("recurrent_states"):
             kw["recurrent_checkpoint_interval"] = checkpoint_interval
+        if draft_mtp:
+            # the checkpoint's own drafter (DeepSeek-V4: DSpark under mtp.*); exllamav3 defines the component only
+            # when the folder carries mtp.0.attn.wkv, so a folder without it is refused here, by name
+            if "mtp" not in getattr(self.config, "model_classes", {}):
+                raise SystemExit(f"--draft-mtp: {model_dir} has no mtp component (no mtp.0.attn.wkv tensors; "
+                                 "build the model with its drafter)")
+            draft = Model.from_config(self.config, component="mtp")
+            kw["draft_cache"] = Cache(draft, max_num_tokens=cache_tokens, max_batch_size=max_batch_size)
+            draft.load(device)
+            kw["draft_model"] = draft
         self.generator = Generator(self.model, self.cache, self.tokenizer, max_batch_size=max_batch_size, **kw)
         self._sampler = ArgmaxSampler
         self._job_cls = __import__("exllamav3", fromlist=["Job"]).Job
@@ -135,6 +145,7 @@ class Exl3Backend:
         self.info = {"model_dir": model_dir, "architecture": self.config.architecture,
                      "recurrent_states": bool(self.model.caps.get("recurrent_states")),
                      "checkpoint_interval": kw.get("recurrent_checkpoint_interval"), "cache_tokens": cache_tokens,
+                     "draft": "mtp" if draft_mtp else None,
                      "quant": _quant_info(model_dir)}
         self._eos = self.config.eos_token_id_list if hasattr(self.config, "eos_token_id_list") else None
 
@@ -442,13 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--checkpoint-interval", type=int, default=api.PAGE_SIZE,
                     help="recurrent-state checkpoint interval (DeepSeek-V4): the prefix-reuse granularity")
+    ap.add_argument("--draft-mtp", action="store_true",
+                    help="speculative decoding with the checkpoint's own drafter (DeepSeek-V4: DSpark, mtp.*)")
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.model_dir is None:
         from engine.exllamav3_models import model_dir
 
         a.model_dir = str(model_dir(a.model, log=lambda m: print(m, flush=True)))
-    backend = Exl3Backend(a.model_dir, a.cache_tokens, a.max_batch_size, a.checkpoint_interval)
+    backend = Exl3Backend(a.model_dir, a.cache_tokens, a.max_batch_size, a.checkpoint_interval,
+                           draft_mtp=a.draft_mtp)
     front = Front(backend, a.served_model_name, a.max_model_len)
     server = serve(front, a.host, a.port)
     print(f"exllamav3 front: {a.served_model_name} from {a.model_dir} loaded in {time.time() - t0:.1f} s; "

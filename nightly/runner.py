@@ -96,6 +96,7 @@ class Cell:
     flags: tuple[str, ...] = ()
     gates: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    pytest_args: tuple[str, ...] = ()   # this cell's own, after the config's (e.g. the --reference of its weights)
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,8 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
                 cells.append(Cell(cell_name(prof, flags), _resolve_profile(prof, base), flags))
     for i, c in enumerate(data.get("cells", [])):
         where = f"{path}: cells[{i}]"
-        if not isinstance(c, Mapping) or set(c) - {"name", "profile", "flags", "gates", "env"}:
-            raise NightlyConfigError(f"{where}: a cell holds name, profile, flags, gates, env")
+        if not isinstance(c, Mapping) or set(c) - {"name", "profile", "flags", "gates", "env", "pytest_args"}:
+            raise NightlyConfigError(f"{where}: a cell holds name, profile, flags, gates, env, pytest_args")
         if not isinstance(c.get("profile"), str):
             raise NightlyConfigError(f"{where}: 'profile' (a profile name or .toml path) is required")
         flags = _strs(c.get("flags", []), f"{where}.flags")
@@ -207,7 +208,8 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
 
         check_loader_env(env, (), f"{where}", NightlyConfigError)
         cells.append(Cell(str(c.get("name") or cell_name(c["profile"], flags)), _resolve_profile(c["profile"], base),
-                          flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env)))
+                          flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env),
+                          _strs(c.get("pytest_args", []), f"{where}.pytest_args")))
     if not cells:
         raise NightlyConfigError(f"{path}: no cells: give [matrix] profiles or [[cells]]")
     for c in cells:
@@ -263,7 +265,7 @@ def cell_argv(cfg: NightlyConfig, cell: Cell, cell_dir: Path, python: str = sys.
         argv += ["--flag-registry", str(r if Path(r).is_absolute() else REPO_ROOT / r)]
     for f in cell.flags:
         argv += ["--flag", f]
-    return argv + list(cfg.pytest_args)
+    return argv + list(cfg.pytest_args) + list(cell.pytest_args)
 
 
 def parse_junit(path: Path) -> list[H.GateOutcome]:
@@ -405,6 +407,7 @@ def register_config_secrets(cfg: NightlyConfig) -> None:
     writes (the cells' own environment is the nightly's, whose secrets core.redact knows already)."""
     register_argv(cfg.pytest_args)
     for cell in cfg.cells:
+        register_argv(cell.pytest_args)
         for k, v in cell.env.items():
             if SECRET_NAME.search(k):
                 register_secret(v)
