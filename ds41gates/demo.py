@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from core.paths import check_results_dir, release_results_dir
 from core.results import FILE_NAME as RESULTS_FILE
 from core.results import GateEntry, GateResults, headline
 from core.verdicts import judge
@@ -40,38 +41,45 @@ def demo_app(
 
     profiles, _ = one_gate_target(profile)   # one reference for every engine; names and files only: no work yet
     console = Console()
-    out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
+    check_results_dir(out, replace=replace_results, option="--out")   # refused now, before any work
     target = resolve_gate_target(profiles[0], panel)
     encoded, model_dir = target.encoded, target.model_dir
-    ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle, precision=target.precision)
+    # the inputs are resolved before the folder is claimed: a bad panel or model never costs --replace-results
+    # the earlier run; the claim is this run's lock on the folder until the demo ends
+    out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
+    try:
+        ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle,
+                                                  precision=target.precision)
 
-    engines, gates, results = [], [], GateResults()
-    for prof in profiles:
-        with EngineServer(prof) as server:
-            eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
-        eng.save(out_dir / f"engine-{prof.name}.safetensors")
-        _, gate = judge(ref, eng, prof.name, prof.name, target.bands)
-        engines.append((prof.name, eng))
-        gates.append(gate)
-        results = results.with_gate(GateEntry("kl_panel", gate.passed, profile=prof.name, failures=gate.failures,
-                                              metrics=headline(gate.summary)))
-        results.save(out_dir / RESULTS_FILE)   # after every engine, as the gate suite: a crash keeps the verdicts
+        engines, gates, results = [], [], GateResults()
+        for prof in profiles:
+            with EngineServer(prof) as server:
+                eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
+            eng.save(out_dir / f"engine-{prof.name}.safetensors")
+            _, gate = judge(ref, eng, prof.name, prof.name, target.bands)
+            engines.append((prof.name, eng))
+            gates.append(gate)
+            results = results.with_gate(GateEntry("kl_panel", gate.passed, profile=prof.name, failures=gate.failures,
+                                                  metrics=headline(gate.summary)))
+            results.save(out_dir / RESULTS_FILE)   # after every engine, as the gate suite: a crash keeps the verdicts
 
-    paths = pipeline.write_report(ref, engines, out_dir, gates)
-    table = Table(title=f"KL panel gate · {encoded.panel_name}@{encoded.panel_version} · "
-                        f"{ref.n_positions} positions")
-    for col in ("engine", "verdict", "KL_part mean", "KL_part macro", "top-1", "PPL ratio"):
-        table.add_column(col)
-    for g in gates:
-        s = g.summary
-        table.add_row(g.label, "[green]PASS[/]" if g.passed else "[red]FAIL[/]", f"{s['kl_part_mean']:.3g}",
-                      f"{s['kl_part_macro']:.3g}", f"{s['top1']:.4f}", f"{s['ppl_ratio']:.6f}")
-    console.print(table)
-    for g in gates:
-        for f in g.failures:
-            console.print(f"  [red]{g.label}[/] {f}", highlight=False)
-    console.print(f"reference: {ref_path}")
-    console.print(f"report:    {paths.html}")
-    console.print(f"           {paths.markdown}")
-    if not all(g.passed for g in gates):
-        raise typer.Exit(1)
+        paths = pipeline.write_report(ref, engines, out_dir, gates)
+        table = Table(title=f"KL panel gate · {encoded.panel_name}@{encoded.panel_version} · "
+                            f"{ref.n_positions} positions")
+        for col in ("engine", "verdict", "KL_part mean", "KL_part macro", "top-1", "PPL ratio"):
+            table.add_column(col)
+        for g in gates:
+            s = g.summary
+            table.add_row(g.label, "[green]PASS[/]" if g.passed else "[red]FAIL[/]", f"{s['kl_part_mean']:.3g}",
+                          f"{s['kl_part_macro']:.3g}", f"{s['top1']:.4f}", f"{s['ppl_ratio']:.6f}")
+        console.print(table)
+        for g in gates:
+            for f in g.failures:
+                console.print(f"  [red]{g.label}[/] {f}", highlight=False)
+        console.print(f"reference: {ref_path}")
+        console.print(f"report:    {paths.html}")
+        console.print(f"           {paths.markdown}")
+        if not all(g.passed for g in gates):
+            raise typer.Exit(1)
+    finally:
+        release_results_dir(out_dir)

@@ -85,7 +85,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _check_requested_flags(config)
     _check_engine_profile(config)
     _check_engine_flags(config)
+    reference = _check_reference(config)   # inputs first: a bad one stops the run before its folder is touched
     session = GateSession(config, GateOptions.of(config), claimed_dir=_claim_results(config))
+    session.checked_reference = reference
     config.stash[SESSION] = session
     config.pluginmanager.register(session, "ds41-gates-session")
 
@@ -163,6 +165,7 @@ class GateSession:
         self.config = config
         self.options = options
         self._claimed_dir = claimed_dir
+        self.checked_reference = None            # --reference, loaded and checked at configure time
         self._run: GateRun | None = None
         self.report_paths = None                 # reports.render's paths once the session report is written
         self.skipped_required: list[str] = []    # engine/gate tests skipped while DS41_REQUIRE_ENGINES=1
@@ -249,13 +252,19 @@ class GateSession:
                 terminalreporter.write_line(line)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        run = self._run
-        if run is None or run.reference is None or not run.engines or not self.options.per_prompt_metrics:
-            return
-        from core.atomic import write_json_atomic
-        from nightly.runner import per_prompt_metrics
+        from core.paths import release_results_dir
 
-        write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
+        run = self._run
+        try:
+            if run is None or run.reference is None or not run.engines or not self.options.per_prompt_metrics:
+                return
+            from core.atomic import write_json_atomic
+            from nightly.runner import per_prompt_metrics
+
+            write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
+        finally:   # the folder's run lock is held until this run has written its last file
+            if run is not None:
+                release_results_dir(run.out_dir)
 
     # -------------------------------------------------------------------------------------------- outcomes, report
     def _note_gate_outcome(self, item: pytest.Item, call, report) -> None:
@@ -346,10 +355,31 @@ def _gate_suite_by_default(config: pytest.Config) -> None:
         config.args = [str(config.rootpath / "gates")]
 
 
+def _check_reference(config: pytest.Config):
+    """--reference is loaded and checked (an oracle record) at configure time, before --results is claimed, so
+    a bad reference never costs the folder --replace-results would clear. The loaded record is kept for the
+    `panel_reference` fixture (read once)."""
+    path = config.getoption("--reference")
+    if not path:
+        return None
+    from core.records import Record
+
+    try:
+        ref = Record.load(path)
+    except UserError as exc:
+        raise pytest.UsageError(f"--reference {path}: {one_line(str(exc))}") from None
+    if ref.provenance.side != "oracle":
+        raise pytest.UsageError(f"--reference {path}: is an {ref.provenance.side} record; the reference must be an "
+                                "oracle record (ds41gate oracle run, or the cached fp32 reference)")
+    return ref
+
+
 def _claim_results(config: pytest.Config) -> Path | None:
-    """--results is claimed at configure time, before any gate or engine runs: a folder holding another run is
-    a usage error (unless --replace-results, which clears it now), so this run's results.json never lies
-    beside an earlier run's report. Without --results the fresh results/<timestamp> is made on first use."""
+    """--results is claimed at configure time, after the run's inputs are checked and before any gate or engine
+    runs: a folder holding another run is a usage error (unless --replace-results, which clears it now, and
+    only when an earlier run's marker is in it), and the folder is locked for this run, so this run's
+    results.json never lies beside an earlier or a concurrent run's report. Without --results the fresh
+    results/<timestamp> is made (and locked) on first use."""
     given = config.getoption("--results")
     if not given:
         return None
@@ -498,7 +528,9 @@ def panel_reference(gate_session: GateSession, request: pytest.FixtureRequest):
     from engine.target import serves_embedded_default
 
     opts = gate_session.options
-    if opts.reference:
+    if gate_session.checked_reference is not None:
+        ref = gate_session.checked_reference
+    elif opts.reference:
         try:
             ref = Record.load(opts.reference)
         except UserError as exc:

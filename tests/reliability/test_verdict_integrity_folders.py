@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.paths import release_results_dir
 from core.records import Record
 from core.results import GateResults
 from ds41gates import pipeline
@@ -60,9 +61,11 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 # =========================================================================================== results folders
 
 def _earlier_pass_run(folder: Path) -> dict[str, bytes]:
-    """A results folder as an earlier PASS run left it: results.json, an engine record, a PASS report set."""
+    """A results folder as an earlier PASS run left it: claimed (its run marker), results.json, an engine record,
+    a PASS report set."""
     ref, eng, _ = pair_of_records(np.random.default_rng(0), n_seq=4, length=12, noise=0.0)
-    folder.mkdir(parents=True, exist_ok=True)
+    pipeline.results_dir(folder)
+    release_results_dir(folder)
     eng.save(folder / "engine-vllm-cpu-fp32.safetensors")
     (folder / "results.json").write_text(json.dumps({"kl_panel": {"passed": True}}))
     pipeline.write_report(ref, [("vllm-cpu-fp32", eng)], folder)
@@ -86,16 +89,17 @@ def test_pipeline_replace_clears_the_earlier_run_first(tmp_path):
     (folder / "evals").mkdir()
     (folder / "evals" / "x.eval.json").write_text("{}")
     out = pipeline.results_dir(folder, replace=True)
+    release_results_dir(folder)
     assert out == folder
     left = sorted(p.name for p in folder.iterdir())
-    assert left == [".ds41-results"], left      # only this run's marker: no report, record or results.json
+    assert left == [".ds41-results", ".ds41-results.lock"], left   # this run's marker and lock: nothing else
 
 
 def test_replace_never_clears_a_folder_that_is_not_a_results_folder(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("precious")
-    with pytest.raises(Exception, match="does not look like a results folder"):
+    with pytest.raises(Exception, match="carries no ds41-gates run marker"):
         pipeline.results_dir(home, replace=True)
     assert (home / "thesis.tex").read_text() == "precious"
 
@@ -157,7 +161,7 @@ def test_plugin_replace_results_keeps_one_run_and_rewrites_results_json_within_i
     _earlier_pass_run(folder)
     proc = _plugin_session(tmp_path, folder, "--replace-results")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(p.name for p in folder.iterdir()) == [".ds41-results", "results.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [".ds41-results", ".ds41-results.lock", "results.json"]
     results = GateResults.load(folder)
     assert [(g.gate, g.metrics) for g in results.gates] == [("first", {"value": 1}), ("second", {"value": 2})]
     assert results.gate("kl_panel") is None                                           # nothing of the earlier run
