@@ -127,10 +127,10 @@ class GenerationStore:
                 os.close(fd)
 
     def add(self, obj: dict[str, Any]) -> None:
-        """Append one finished problem. What is kept (and scored) is what the file holds: the redacted line,
-        so a first run and a resumed one score the same text."""
-        obj = redact_data(obj)
-        self._append(obj)
+        """Append one finished problem: the file holds the redacted line, memory keeps the reply as the engine
+        gave it. Scoring never reads the redacted text (`score` decodes the reply from its token ids), so a reply
+        that breaks an instruction only inside a redacted ``?token=...`` is scored as it was written."""
+        self._append(obj)           # redacted on its way to the file
         with self._lock:
             self.done[obj["id"]] = obj
 
@@ -192,22 +192,26 @@ def generate(client, dataset: Dataset, tok, settings: Settings, store: Generatio
 
 
 # ---------------------------------------------------------------------------------------------- score
-def score(dataset: Dataset, generations: dict[str, dict[str, Any]], *, progress: bool = True,
+def score(dataset: Dataset, generations: dict[str, dict[str, Any]], *, tok=None, progress: bool = True,
           workers: int = 2) -> list[ProblemResult]:
+    """Score each generation on the reply the engine gave, never on the redacted text a file holds: with the
+    tokenizer the reply is decoded again from its token ids (a resumed run's lines are redacted); without it the
+    in-memory ``reply`` of this run is used. Only what is written afterwards (the record) is redacted."""
     by_id = {problem_id(p): p for p in dataset.problems}
     ids = list(generations)
 
     def one(pid: str) -> ProblemResult:
         g, p = generations[pid], by_id[pid]
         n, fin = len(g["completion_ids"]), g.get("finish")
+        reply = g["reply"] if tok is None else reply_text(tok, g["completion_ids"])
         if dataset.suite in CODE_SUITES:
             from evals.code import score_solution
 
-            o = score_solution(p, g["reply"])
+            o = score_solution(p, reply)
             return ProblemResult(pid, n, fin, base=o.base, plus=o.plus, detail=o.detail)
         from evals.ifeval import score_response
 
-        o = score_response(p, g["reply"])
+        o = score_response(p, reply)
         return ProblemResult(pid, n, fin, strict=o.strict, loose=o.loose)
 
     results: dict[str, ProblemResult] = {}
@@ -237,7 +241,7 @@ def evaluate(client, dataset: Dataset, tok, settings: Settings, source, out_dir:
     else:
         gens = generate(client, dataset, tok, settings, store, progress=progress, echo=echo)
     t_gen = time.perf_counter() - t0
-    results = score(dataset, gens, progress=progress)
+    results = score(dataset, gens, tok=tok, progress=progress)
     prov = Provenance(side="engine", panel_name=dataset.suite, panel_version=dataset.source,
                       panel_hash="sha256:" + dataset.sha256, tokenizer_hash=tok.hash, source=src,
                       precision=source.precision, code_version=code_version(), created=Provenance.now(),

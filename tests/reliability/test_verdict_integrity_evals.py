@@ -268,7 +268,9 @@ def test_a_secret_never_reaches_the_generations_file(canaries, tmp_path):
     store.add({"id": "Test/inc", "reply": f"my key is {CANARY_KEY}", "completion_ids": [1]})
     assert CANARY_KEY not in path.read_text()
     again = GenerationStore(path, {"suite": "humaneval", "engine": {"model": "m"}})
-    assert again.done["Test/inc"]["reply"] == store.done["Test/inc"]["reply"] == "my key is <redacted>"
+    assert again.done["Test/inc"]["reply"] == "my key is <redacted>"   # what the file holds
+    # this run's memory keeps the reply as given: scoring never reads the redacted copy (issue 35)
+    assert store.done["Test/inc"]["reply"] == f"my key is {CANARY_KEY}"
 
 
 # ---------------------------------------------------------------------------------------------- the harness's side
