@@ -45,6 +45,7 @@ T = TypeVar("T")
 Seq = Annotated[tuple[T, ...], Field(strict=False)]
 
 Outcome = Literal["passed", "failed", "error", "skipped", "xfailed"]
+CoverageVerdict = Literal["exercised", "not exercised", "not declared"]
 Phase = Literal["setup", "call", "teardown"]
 
 
@@ -108,6 +109,22 @@ class FlagABResult:
 
 
 @dataclass(frozen=True, config=_RECORD)
+class FlagCoverage:
+    """Whether a gate run reached the DeepSeek mechanisms a flag's code runs in (the flags registry's
+    ``mechanisms``, core/coverage.py). ``not exercised``: some declared mechanism was live at no scored position of
+    the run's references (or no reference said which were live) — never a PASS, whatever the flag's gates said.
+    ``not declared``: the registry names no mechanism for the flag, so coverage does not apply to it."""
+
+    flag: str
+    verdict: CoverageVerdict
+    mechanisms: Seq[str] = ()          # what the registry says the flag touches
+    reached: Seq[str] = ()             # those live at one scored position or more
+    missing: Seq[str] = ()             # those live at none
+    sources: Seq[str] = ()             # the references whose scored positions were counted
+    why: str = ""
+
+
+@dataclass(frozen=True, config=_RECORD)
 class GateOutcome:
     """How one gate test node ended. ``error``: the gate or its fixtures raised anything but an assertion (the
     engine died, hung, answered malformed bytes): it neither passed nor failed, and the run is not a pass."""
@@ -148,6 +165,7 @@ class GateResults:
     outcomes: Seq[GateOutcome] = ()
     timings: GateTimings | None = None
     sections: Seq[ReportSection] = ()
+    coverage: Seq[FlagCoverage] = ()
 
     # ------------------------------------------------------------------ reading
     def gate(self, name: str, profile: str | None = None) -> GateEntry | None:
@@ -156,6 +174,9 @@ class GateResults:
 
     def flag(self, name: str) -> FlagABResult | None:
         return next((f for f in self.flag_ab if f.flag == name), None)
+
+    def flag_coverage(self, name: str) -> FlagCoverage | None:
+        return next((c for c in self.coverage if c.flag == name), None)
 
     def errored(self) -> list[GateOutcome]:
         return [o for o in self.outcomes if o.outcome == "error"]
@@ -174,6 +195,9 @@ class GateResults:
 
     def with_outcome(self, outcome: GateOutcome) -> GateResults:
         return dataclasses.replace(self, outcomes=_replaced(self.outcomes, outcome, lambda o: o.nodeid))
+
+    def with_coverage(self, verdict: FlagCoverage) -> GateResults:
+        return dataclasses.replace(self, coverage=_replaced(self.coverage, verdict, lambda c: c.flag))
 
     def with_timings(self, timings: GateTimings) -> GateResults:
         return dataclasses.replace(self, timings=timings)

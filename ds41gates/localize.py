@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Sequence
 import typer
 
 from core.errors import UserError
-from core.localize import DEFAULT_FACTOR, LocalizeRecord, decide, localize_sites
+from core.localize import (DEFAULT_FALSE_ALARM, ORACLE_ALLOWANCE, LocalizeRecord, decide, greedy_differences, localize_sites,
+                           parse_key)
 from core.redact import redact_data
 
 DEFAULT_PROFILE = "vllm-cpu-fp32"
@@ -152,32 +153,97 @@ def _to_numpy(t) -> Any:
     return a.reshape(a.shape[0], -1)
 
 
+class _OnlyPrefill(Mapping):
+    """A capture mapping without its decode rows (A/B arms whose first tokens differ decode different inputs)."""
+
+    def __init__(self, acts: Mapping[str, Any]):
+        self.acts = acts
+        self._keys = [k for k in acts if k.startswith("prefill/")]
+
+    def __getitem__(self, key: str):
+        if key not in self._keys:
+            raise KeyError(key)
+        return self.acts[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def check_layers(profile: str, layers: Sequence[int] | None) -> None:
+    """``--layers`` inside the model: an index past the end is an error naming the range (never wrapped)."""
+    if layers is None:
+        return
+    n = n_decoder_layers(profile)
+    bad = [i for i in layers if not -n <= i < n]
+    if bad:
+        raise UserError(f"--layers {','.join(map(str, bad))}: {profile}'s model has {n} decoder layers "
+                        f"(0..{n - 1}, or -{n}..-1 from the end)")
+
+
+def check_fault_applied(inv, rc: dict, case: dict) -> None:
+    """A run that asked for a fault through DS41_PERTURB_* must have it: the plugin reports the module it
+    perturbed. A plugin the engine never loaded (VLLM_PLUGINS=none, not installed) leaves no target: ERROR,
+    rather than a clean-looking record of a fault that never ran."""
+    from engine.localize import PERTURB_ENV
+
+    asked = {k: inv.profile_env[k] for k in PERTURB_ENV if k in inv.profile_env}
+    if case.get("perturb") != "env" or "DS41_PERTURB_LAYER" not in asked:
+        return
+    state = rc.get("perturb") or {}
+    plugins = inv.env.get("VLLM_PLUGINS")
+    if state.get("target") is None:
+        raise UserError(f"localize: the run asked for a fault ({', '.join(f'{k}={v}' for k, v in asked.items())}) "
+                        f"but the engine did not apply it (plugin state {state}"
+                        f"{'; VLLM_PLUGINS=' + repr(plugins) + ' in its environment' if plugins is not None else ''}"
+                        "); the record would describe an unperturbed engine")
+    want = int(asked["DS41_PERTURB_LAYER"])
+    n = int(state.get("n_layers") or 0)
+    if n and (want % n != state.get("layer") or asked.get("DS41_PERTURB_MODULE") != state.get("module")):
+        raise UserError(f"localize: the fault asked for ({asked}) is not the one the engine applied ({state})")
+
+
+def _oracle_greedy(o_acts: Mapping, n: int, decode: bool) -> list[int]:
+    """The reference's greedy tokens at the engine's sampling points: the last prompt position, the decode row."""
+    import numpy as np
+
+    out = [int(np.argmax(_to_numpy(o_acts["prefill/logits"])[n - 1]))] if "prefill/logits" in o_acts else []
+    if decode and "decode/logits" in o_acts and out:
+        out.append(int(np.argmax(_to_numpy(o_acts["decode/logits"])[0])))
+    return out
+
+
 def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                  cases: Sequence[dict] = ({"name": "run", "perturb": "env"},), flags: Sequence[str] = (),
-                 engine_env: Mapping[str, str] | None = None, factor: float = DEFAULT_FACTOR,
+                 engine_env: Mapping[str, str] | None = None, false_alarm_rate: float = DEFAULT_FALSE_ALARM,
                  floor: str | None = None, decode: bool = True, layers: Sequence[int] | None = None,
                  echo: Callable[[str], None] = _say) -> dict[str, LocalizeRecord]:
-    """Every case through ONE engine process, the oracle and its floor once per distinct decode token; one
-    LocalizeRecord per case. Memory: one site's captures at a time on every side: the engine's hooks and the
-    oracle's write each site to disk as it fires (``work/captures``, ``work/oracle``) and the comparison reads
-    the engine's, the oracle's and the floor's rows back one site at a time. ``layers``: capture only these
+    """Oracle mode. Every case through ONE engine process, the oracle and its floor once per distinct decode
+    token; one LocalizeRecord per case. Memory: one site's captures at a time on every side: the engine's hooks
+    and the oracle's write each site to disk as it fires (``work/captures``, ``work/oracle``) and the comparison
+    reads the engine's, the oracle's and the floor's rows back one site at a time. ``layers``: capture only these
     decoder layers (less time and disk; a first pass on a few layers, then the stretch between them, bisects)."""
     from core.version import code_version
     from engine.localize import LazyCaptures, engine_invocation, run_engine_captures
 
     t_all = time.perf_counter()
+    check_layers(profile, layers)
     inv = engine_invocation(profile, flags, engine_env)
     kind, model_dir, _ = oracle_for(profile)
     floor = floor or floor_precision(kind, inv.dtype)
     echo(f"engine {profile} ({inv.dtype}) in process: {len(cases)} case(s), {len(ids)} prompt tokens "
          f"+ {'1 decode step' if decode else 'no decode'}")
     report = run_engine_captures(inv, ids, cases, Path(work), decode=decode, layers=layers)
+    for case in cases:
+        check_fault_applied(inv, report["cases"][case["name"]], case)
     echo(f"engine done in {report['wall_s']:.1f} s (load {report['load_s']:.1f} s); oracle {kind} fp32 and the "
          f"{floor} floor")
     oracle = _Oracle(kind, model_dir, "fp32")
     floor_orc = _Oracle(kind, model_dir, floor, base=oracle)   # captured after the fp32 oracle, from its load
     texts = token_texts(profile, ids)
-    refs: dict[int | None, tuple[dict, dict]] = {}
+    refs: dict[int | None, tuple[Mapping, Mapping]] = {}
     out: dict[str, LocalizeRecord] = {}
     for case in cases:
         name = case["name"]
@@ -194,13 +260,15 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
             echo(f"oracle + floor captured in {time.perf_counter() - t:.1f} s")
         o_acts, f_acts = refs[tok]
         t = time.perf_counter()
-        sites, per_pos = localize_sites(LazyCaptures(rc["file"]), o_acts, f_acts, factor, to_numpy=_to_numpy)
+        sites, per_row, cal = localize_sites(LazyCaptures(rc["file"]), o_acts, f_acts, false_alarm_rate,
+                                             ORACLE_ALLOWANCE, to_numpy=_to_numpy)
         all_texts = texts + (token_texts(profile, [tok]) if decode else [])
-        verdict = decide(sites, per_pos, full, all_texts, factor)
+        diffs = greedy_differences(rc["generated_ids"], _oracle_greedy(o_acts, len(ids), decode), "oracle")
+        verdict = decide(sites, per_row, full, all_texts, output_differs=diffs)
         compare_s = time.perf_counter() - t
         engine = {"profile": profile, "flags": list(flags), "case": name, "dtype": inv.dtype,
                   "env": redact_data(dict(inv.profile_env)), "vllm": report.get("vllm"),
-                  "perturb": rc.get("perturb"), "generated_ids": rc.get("generated_ids"),
+                  "perturb": rc.get("perturb"), "tweak": rc.get("tweak"), "generated_ids": rc.get("generated_ids"),
                   "rows_per_call": rc.get("rows_per_call"), "model": report.get("model"),
                   "ignored_args": report.get("ignored_args"), "spill_files": rc.get("spill_files"),
                   "runner_max_rss_mb": rc.get("max_rss_mb")}
@@ -210,10 +278,95 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
                    "floor_load_s": round(floor_orc.load_s, 3), "floor_forward_s": round(floor_orc.forward_s, 3),
                    "compare_s": round(compare_s, 3), "total_s": round(time.perf_counter() - t_all, 3)}
         out[name] = LocalizeRecord(
-            engine=engine, oracle=dict(oracle.info), floor=dict(floor_orc.info), factor=float(factor),
+            engine=engine, oracle=dict(oracle.info), floor=dict(floor_orc.info), calibration=cal,
             prompt={**source, "n_tokens": len(ids), "token_ids": list(ids), "decode_token_id": tok},
             verdict=verdict, sites=tuple(sites), timings=timings, created=_now(), code_version=code_version())
     shutil.rmtree(Path(work) / "oracle", ignore_errors=True)
+    return out
+
+
+BASE, REPEAT = "base", "base-repeat"
+
+
+def run_ab(profile: str, ids: Sequence[int], source: dict, work: Path, flags: Sequence[str] = (),
+           cases: Sequence[dict] = (), engine_env: Mapping[str, str] | None = None,
+           false_alarm_rate: float = DEFAULT_FALSE_ALARM, decode: bool = True,
+           layers: Sequence[int] | None = None, oracle_context: bool = True,
+           echo: Callable[[str], None] = _say) -> dict[str, LocalizeRecord]:
+    """A/B mode: the engine against itself. The base arm (the profile as it is) runs the prompt twice in one
+    process: the first run is the reference, the second the floor (the engine's run-to-run spread; all zeros
+    for a deterministic engine, so any difference departs). The test arms: ``flags`` (the profile with those
+    flags: its own engine process) and/or ``cases`` (runner cases in the base arm's process, e.g. a weight
+    ``tweak``). One LocalizeRecord per test arm (``flags`` -> key "flag"). ``oracle_context``: the oracle's
+    distance to the base arm per site, beside the verdict (not part of it)."""
+    from core.version import code_version
+    from engine.localize import LazyCaptures, engine_invocation, run_engine_captures
+
+    if not flags and not cases:
+        raise UserError("localize A/B: nothing to compare the base arm with (give --flag F)")
+    t_all = time.perf_counter()
+    check_layers(profile, layers)
+    inv_a = engine_invocation(profile, (), engine_env)
+    base_cases = [{"name": BASE, "perturb": None}, {"name": REPEAT, "perturb": None}]
+    for c in cases:
+        if c["name"] in (BASE, REPEAT, "flag"):
+            raise UserError(f"localize A/B: case name {c['name']!r} is reserved")
+    echo(f"A/B on {profile}: base arm twice{' + ' + str(len(cases)) + ' case(s)' if cases else ''} in one "
+         f"process, {len(ids)} prompt tokens + {'1 decode step' if decode else 'no decode'}")
+    rep_a = run_engine_captures(inv_a, ids, base_cases + list(cases), Path(work) / "a", decode=decode,
+                                layers=layers)
+    arms = {c["name"]: (rep_a["cases"][c["name"]], rep_a, inv_a, ()) for c in cases}
+    if flags:
+        inv_b = engine_invocation(profile, flags, engine_env)
+        echo(f"flag arm {list(flags)}: its own engine process")
+        rep_b = run_engine_captures(inv_b, ids, [{"name": "flag", "perturb": None}], Path(work) / "b",
+                                    decode=decode, layers=layers)
+        arms["flag"] = (rep_b["cases"]["flag"], rep_b, inv_b, tuple(flags))
+    base_rc = rep_a["cases"][BASE]
+    base, repeat = LazyCaptures(base_rc["file"]), LazyCaptures(rep_a["cases"][REPEAT]["file"])
+    tok = int(base_rc["generated_ids"][0]) if decode else None
+    full = list(ids) + ([tok] if decode else [])
+    texts = token_texts(profile, full)
+    context, oracle_info = {}, {}
+    if oracle_context:
+        import numpy as np
+
+        from core.localize import metric_of, position_distances, kl_per_position
+
+        kind, model_dir, _ = oracle_for(profile)
+        orc = _Oracle(kind, model_dir, "fp32")
+        o_acts = _phased(orc.capture(full, layers, Path(work) / "oracle"), len(ids), decode)
+        for k in sorted(set(o_acts) & set(base)):
+            t, r = _to_numpy(base[k]), _to_numpy(o_acts[k])
+            d = kl_per_position(t, r) if metric_of(parse_key(k)[2]) == "kl" else position_distances(t, r)[0]
+            context[k] = float(np.mean(d))
+        oracle_info = {**orc.info, "role": "context: the base arm's distance to it per site (mean), not the verdict"}
+        shutil.rmtree(Path(work) / "oracle", ignore_errors=True)
+    out: dict[str, LocalizeRecord] = {}
+    for name, (rc, rep, inv, arm_flags) in arms.items():
+        t = time.perf_counter()
+        test, ref, flo = LazyCaptures(rc["file"]), base, repeat
+        diffs = greedy_differences(rc["generated_ids"], base_rc["generated_ids"], "base arm")
+        same_first = not decode or int(rc["generated_ids"][0]) == tok
+        if not same_first:   # the decode step of each arm read a different token: only the prefill compares
+            test, ref, flo = _OnlyPrefill(test), _OnlyPrefill(ref), _OnlyPrefill(flo)
+        sites, per_row, cal = localize_sites(test, ref, flo, false_alarm_rate, to_numpy=_to_numpy)
+        verdict = decide(sites, per_row, full if same_first else list(ids), texts if same_first else texts[:len(ids)],
+                         output_differs=diffs)
+        engine = {"profile": profile, "flags": list(arm_flags), "case": name, "dtype": inv.dtype,
+                  "env": redact_data(dict(inv.profile_env)), "vllm": rep.get("vllm"),
+                  "perturb": rc.get("perturb"), "tweak": rc.get("tweak"), "generated_ids": rc.get("generated_ids"),
+                  "base_generated_ids": base_rc.get("generated_ids"), "decode_compared": same_first,
+                  "model": rep.get("model"), "runner_max_rss_mb": rc.get("max_rss_mb"),
+                  "base_runner_max_rss_mb": rep_a["cases"][BASE].get("max_rss_mb")}
+        timings = {"base_process_s": round(rep_a["wall_s"], 3), "test_process_s": round(rep["wall_s"], 3),
+                   "compare_s": round(time.perf_counter() - t, 3), "total_s": round(time.perf_counter() - t_all, 3)}
+        out[name] = LocalizeRecord(
+            engine=engine, oracle=oracle_info, floor={"precision": "engine run-to-run", "run": REPEAT,
+                                                      "of": BASE},
+            calibration=cal, prompt={**source, "n_tokens": len(ids), "token_ids": list(ids), "decode_token_id": tok},
+            verdict=verdict, sites=tuple(sites), timings=timings, mode="ab", context=context, created=_now(),
+            code_version=code_version())
     return out
 
 
@@ -288,7 +441,12 @@ def localize_cmd(
     panel_item: str = typer.Option(None, "--panel-item", help="a panel sequence id, encoded as the gates encode it"),
     panel: str = typer.Option(None, "--panel", help="panel name[@version] for --panel-item (default: the profile's)"),
     max_prompt_tokens: int = typer.Option(None, "--max-prompt-tokens", help="cut the prompt to this many tokens"),
-    factor: float = typer.Option(DEFAULT_FACTOR, "--factor", help="diverged = distance / floor above this"),
+    flag: list[str] = typer.Option([], "--flag", help="A/B mode: localize where the profile with this flag "
+                                   "(repeatable) leaves the profile without it; the floor is the engine's own "
+                                   "run-to-run spread"),
+    false_alarm_rate: float = typer.Option(DEFAULT_FALSE_ALARM, "--false-alarm-rate",
+                                           help="the chance per run that an engine distributed like its floor "
+                                                "has a site named (sets every site's threshold)"),
     floor: str = typer.Option(None, "--floor", help="the floor's precision (default: fp64 for fp32 engines, "
                               "bf16 otherwise; reference-bf16 for the DeepSeek oracle)"),
     no_decode: bool = typer.Option(False, "--no-decode", help="prefill only (no decode step)"),
@@ -296,21 +454,29 @@ def localize_cmd(
                                        "(DIR/work/captures/*.safetensors)"),
     layers: str = typer.Option(None, "--layers", help="only these decoder layers, e.g. 0,8,16,24 (default: all)"),
 ) -> None:
-    """Name the first layer and module where the engine leaves the oracle, for one prompt."""
+    """Name the first site (embedding, layer and module, final norm, logits) where the engine leaves the oracle
+    (or, with --flag, where the flag-on engine leaves the flag-off one), for one prompt."""
     if prompt_file is not None:
         if prompt is not None:
             raise UserError("localize: give --prompt or --prompt-file, not both")
         prompt = Path(prompt_file).read_text(encoding="utf-8")
     ids, source = prompt_ids(engine_profile, prompt, panel_item, panel, max_prompt_tokens)
-    recs = run_localize(engine_profile, ids, source, Path(out) / "work", flags=engine_flag,
-                        engine_env=_env_pairs(engine_env), factor=factor, floor=floor, decode=not no_decode,
-                        layers=_layer_list(layers))
-    rec = recs["run"]
+    if flag:
+        if engine_flag or floor:
+            raise UserError("localize --flag (A/B mode): --engine-flag and --floor belong to oracle mode; the base "
+                            "arm is the profile as it is and the floor its own second run")
+        rec = run_ab(engine_profile, ids, source, Path(out) / "work", flags=flag, engine_env=_env_pairs(engine_env),
+                     false_alarm_rate=false_alarm_rate, decode=not no_decode, layers=_layer_list(layers))["flag"]
+    else:
+        rec = run_localize(engine_profile, ids, source, Path(out) / "work", flags=engine_flag,
+                           engine_env=_env_pairs(engine_env), false_alarm_rate=false_alarm_rate, floor=floor,
+                           decode=not no_decode, layers=_layer_list(layers))["run"]
     paths = write_outputs(rec, Path(out))
     if not keep_captures:
         import shutil
 
-        shutil.rmtree(Path(out) / "work" / "captures", ignore_errors=True)
+        for sub in ("captures", "a/captures", "b/captures"):
+            shutil.rmtree(Path(out) / "work" / sub, ignore_errors=True)
     from reports.localize import headline
 
     typer.echo(headline(rec))
@@ -349,11 +515,12 @@ def planted_table(recs: Mapping[str, LocalizeRecord], cases: Sequence[dict]) -> 
         rec = recs[case["name"]]
         v = rec.verdict
         want = case.get("perturb")
-        planted = (want["layer"], want["module"]) if want else (None, None)
+        planted = (want["layer"], want["module"]) if isinstance(want, dict) else (None, None)
         named = (v.first_divergent_layer, v.first_divergent_module)
         rows.append({"engine": rec.engine.get("profile"), "case": case["name"], "planted_layer": planted[0],
                      "planted_module": planted[1], "named_layer": named[0], "named_module": named[1],
-                     "phase": v.phase, "ratio_at_named": v.ratio_at_first, "ratio_layer_before": v.ratio_layer_before,
+                     "phase": v.phase, "ratio_at_named": v.ratio_at_first, "ratio_layer_before": v.ratio_before,
+                     "status": v.status,
                      "max_ratio": v.max_ratio, "max_ratio_site": v.max_ratio_site,
                      "plugin_target": (rec.engine.get("perturb") or {}).get("target"),
                      "exact": named == planted})

@@ -123,7 +123,7 @@ def common_sequences(ref: Record, engines: Sequence[tuple[str, Record]]) -> tupl
 
 def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Path,
                  gate_results: Sequence["PanelGateResult"] = (), extra: dict | None = None,
-                 plots: dict | None = None, errored: Sequence[str] = ()):
+                 plots: dict | None = None, errored: Sequence[str] = (), coverage: Sequence = ()):
     """The report set; it opens with each engine's KL-panel verdict, and an ERROR row naming the gates that
     `errored` (neither passed nor failed: no PASS can stand beside them). Each engine's metrics are the ones its
     gate verdict carries (`PanelGateResult.pair`); only an engine no gate scored on exactly these sequences
@@ -152,6 +152,9 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
     if errored:
         verdicts.append({"engine": "gate session", "verdict": "ERROR",
                          "why": f"{len(errored)} gate(s) errored: {', '.join(errored[:5])}"})
+    # the coverage rule beside the verdicts (core/flag_coverage.py): a flag the run never reached is no PASS
+    verdicts += [{"engine": f"flag {c.flag}", "verdict": c.verdict.upper(), "why": c.why}
+                 for c in coverage if c.verdict != "not declared"]
     return build_report(panel_evidence(pairs), out_dir, extra=sections, extra_plots=plots, verdicts=verdicts)
 
 

@@ -109,6 +109,7 @@ class GateRun:
     reference: Any = None
     panel_gates: list = dataclasses.field(default_factory=list)    # core.verdicts.PanelGateResult
     plots: dict[str, str] = dataclasses.field(default_factory=dict)  # report figures (the localizer's)
+    coverages: list = dataclasses.field(default_factory=list)      # (reference name, core.coverage.Coverage | None)
 
     def _save(self, results: GateResults) -> None:
         self.results = results
@@ -221,6 +222,7 @@ class GateSession:
             self.skipped_required.append(f"{item.nodeid}: {why}")
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self._judge_coverage()
         if self._run is not None and self.durations:
             per_file: dict[str, float] = {}
             for nodeid, d in self.durations.items():
@@ -266,6 +268,18 @@ class GateSession:
             if run is not None:
                 release_results_dir(run.out_dir)
 
+    def _judge_coverage(self) -> None:
+        """The coverage rule (ds41gates/coverage.py): every flag this session is about, against the mechanisms
+        its scored positions reached; a NOT EXERCISED flag fails its flag_coverage entry (never PASS)."""
+        flags = (*self.options.engine_flags, *self.config.getoption("--flag"))
+        if self._run is None or not (self._run.coverages or flags):
+            return
+        from ds41gates.coverage import judge_session
+        from nightly.flags import load_registry
+
+        judge_session(self._run, load_registry(self.config.getoption("--flag-registry")), flags,
+                      self.options.engine_profile or "")
+
     # -------------------------------------------------------------------------------------------- outcomes, report
     def _note_gate_outcome(self, item: pytest.Item, call, report) -> None:
         """A gate whose test or fixture raised anything but an assertion *errored* (the engine died, hung, answered
@@ -302,7 +316,8 @@ class GateSession:
         if run.results.outcomes:
             sections[OUTCOMES_TITLE] = _outcomes_section(run.results)
         self.report_paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
-                                         plots=run.plots, errored=[o.gate for o in run.results.errored()])
+                                         plots=run.plots, errored=[o.gate for o in run.results.errored()],
+                                         coverage=run.results.coverage)
 
 
 SESSION = pytest.StashKey[GateSession]()
@@ -611,6 +626,11 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
     rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
     rec.save(gate_run.out_dir / f"engine-{label}.safetensors")
     gate_run.engines.append((engine_endpoint.profile, rec))
+    if gate_run.reference is not None:   # the positions scored are the reference's: what they reached counts
+        from ds41gates.coverage import add_reference
+
+        ref = gate_run.reference.provenance
+        add_reference(gate_run, f"{ref.panel_name}@{ref.panel_version}", gate_run.reference)
     return rec
 
 

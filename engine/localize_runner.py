@@ -54,7 +54,8 @@ import sys
 import time
 import traceback
 
-SITES = ("attn", "mlp", "resid")
+SITES = ("attn", "mlp", "resid")           # per decoder layer
+OUTER_SITES = ("embed", "final_norm", "logits")   # before layer 0 and after the last
 _ATTR = "_ds41_capture"
 ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
 
@@ -91,6 +92,21 @@ def _stream(layer, out):
     return out
 
 
+def outer_modules(model, layers_name: str) -> dict:
+    """The embedding and the final norm: the modules beside the decoder layers (``model.embed_tokens`` and
+    ``model.norm`` for Llama-likes and DeepSeek-V4); a role this rank does not hold (PP) is left out."""
+    parent = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+    found = {}
+    for role, names in (("embed", ("embed_tokens", "embed", "wte")), ("final_norm", ("norm", "final_layernorm",
+                                                                                       "ln_f"))):
+        for attr in names:
+            sub = getattr(parent, attr, None)
+            if sub is not None and callable(sub) and type(sub).__name__ != "PPMissingLayer":
+                found[role] = (attr, sub)
+                break
+    return found
+
+
 def _tp_writer() -> bool:
     """Whether this worker writes the captures: rank 0 of its tensor-parallel group (TP ranks hold identical
     rows); every pipeline-parallel rank writes its own layers. No distributed state (a plain model): True."""
@@ -107,7 +123,7 @@ def spill_name(key: str, call: int) -> str:
     return f"{key}.c{call:05d}.safetensors"
 
 
-_SPILL_NAME = re.compile(r"^(L\d+\.[a-z]+)\.c(\d+)\.safetensors$")
+_SPILL_NAME = re.compile(r"^((?:L\d+\.)?[a-z_]+)\.c(\d+)\.safetensors$")
 
 
 def _spill_write(path: str, t) -> None:
@@ -126,6 +142,10 @@ def install(model, sites=SITES, layers=None) -> dict:
 
     remove(model)
     name, mods = decoder_layers(model)
+    bad = [int(i) for i in (layers or ()) if not -len(mods) <= int(i) < len(mods)]
+    if bad:
+        raise ValueError(f"layers {bad}: the model has {len(mods)} decoder layers ({name}: 0..{len(mods) - 1}, "
+                         f"or -{len(mods)}..-1 from the end)")
     wanted = set(range(len(mods))) if layers is None else {int(i) % len(mods) for i in layers}
     state: dict = {"handles": [], "spill": None, "calls": {}, "writer": _tp_writer()}
     handles = state["handles"]
@@ -140,6 +160,24 @@ def install(model, sites=SITES, layers=None) -> dict:
         _spill_write(os.path.join(folder, spill_name(key, call)),
                      t.detach().to("cpu", dtype=torch.float32, copy=True).contiguous())
 
+    outer = outer_modules(model, name)
+    if "embed" in sites and "embed" in outer:
+        handles.append(outer["embed"][1].register_forward_hook(lambda m, a, out: keep("embed", _first_tensor(out))))
+        names["embed"] = outer["embed"][0]
+    if ("final_norm" in sites or "logits" in sites) and "final_norm" in outer:
+        names["final_norm"] = outer["final_norm"][0]
+
+        def after_norm(m, a, out):
+            normed = _first_tensor(out)
+            if "final_norm" in sites:
+                keep("final_norm", normed)
+            if "logits" in sites and state["spill"] is not None and state["writer"]:
+                # the engine's own head on every position (vLLM computes logits only where it samples)
+                with torch.no_grad():
+                    logits = model.compute_logits(normed)
+                if logits is not None:
+                    keep("logits", logits)
+        handles.append(outer["final_norm"][1].register_forward_hook(after_norm))
     hooked = []
     for i, layer in enumerate(mods):
         if i not in wanted or type(layer).__name__ == "PPMissingLayer":   # PP: another rank's layer
@@ -212,6 +250,39 @@ def perturb(model, spec) -> dict:
                             spec.get("from_pos"))
 
 
+_TWEAK_ATTR = "_ds41_tweaks"
+
+
+def tweak(model, edits) -> dict:
+    """A test-only fault planted in the weights, the way a changed checkpoint would plant it (not an output
+    scale): ``edits`` a list of {"param": qualified name, "index": an index into it (int, list of ints, or None
+    for all of it), "scale": x, "add": y}; the parameter slice becomes ``slice * scale + add``. ``None`` or [] puts
+    back every edited slice. -> what is edited now."""
+    import torch
+
+    saved = getattr(model, _TWEAK_ATTR, None) or []
+    with torch.no_grad():
+        for param, idx, orig in reversed(saved):
+            param.data[idx] = orig
+    setattr(model, _TWEAK_ATTR, [])
+    done = []
+    params = dict(model.named_parameters())
+    for e in edits or ():
+        if e["param"] not in params:
+            near = [n for n in params if n.rsplit(".", 2)[-2:] == e["param"].rsplit(".", 2)[-2:]][:4]
+            raise KeyError(f"tweak: no parameter {e['param']!r} (like it: {near})")
+        param = params[e["param"]]
+        idx = e.get("index")
+        idx = slice(None) if idx is None else tuple(idx) if isinstance(idx, list) else idx
+        with torch.no_grad():
+            orig = param.data[idx].clone()
+            getattr(model, _TWEAK_ATTR).append((param, idx, orig))
+            param.data[idx] = orig * float(e.get("scale", 1.0)) + float(e.get("add", 0.0))
+        done.append({"param": e["param"], "index": e.get("index"), "scale": e.get("scale", 1.0),
+                     "add": e.get("add", 0.0), "changed": int(torch.count_nonzero(param.data[idx] != orig))})
+    return {"edits": done, "pid": os.getpid()}
+
+
 # -- the driver ------------------------------------------------------------------------------------------------
 
 def _merge(per_worker: list[dict]) -> dict:
@@ -224,6 +295,9 @@ def _merge(per_worker: list[dict]) -> dict:
 
 
 def _site_order(key: str) -> tuple[int, int]:
+    """embed, the layers' sites, final_norm, logits."""
+    if key in OUTER_SITES:
+        return {"embed": (-1, 0), "final_norm": (1 << 30, 0), "logits": (1 << 30, 1)}[key]
     layer, site = key[1:].split(".", 1)
     return int(layer), SITES.index(site) if site in SITES else len(SITES)
 
@@ -355,7 +429,7 @@ def run(request: dict) -> dict:
     llm, ignored = build_llm(request["engine_args"])
     report: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "ignored_args": ignored, "load_s": time.perf_counter() - t0, "cases": {}}
-    sites = SITES if request.get("sites") is None else tuple(request["sites"])   # [] = no hooks (a plain run)
+    sites = SITES + OUTER_SITES if request.get("sites") is None else tuple(request["sites"])   # [] = no hooks
     info = _merge([{"x": r} for r in llm.apply_model(functools.partial(install, sites=sites,
                                                                        layers=request.get("layers")))])["x"]
     report["model"] = info
@@ -370,6 +444,8 @@ def run(request: dict) -> dict:
         try:
             rec["perturb"] = _merge([{"x": r} for r in llm.apply_model(
                 functools.partial(perturb, spec=case.get("perturb")))])["x"]
+            rec["tweak"] = _merge([{"x": r} for r in llm.apply_model(
+                functools.partial(tweak, edits=case.get("tweak")))])["x"]
             spill = os.path.join(request["out_dir"], f"{case['name']}.spill")
             if os.path.isdir(spill):
                 shutil.rmtree(spill)
@@ -394,6 +470,7 @@ def run(request: dict) -> dict:
             rec["error"] = f"{type(e).__name__}: {e}"
             rec["traceback"] = traceback.format_exc(limit=8)
         report["cases"][case["name"]] = rec
+    llm.apply_model(functools.partial(tweak, edits=None))
     llm.apply_model(remove)
     report["total_s"] = time.perf_counter() - t0
     report["max_rss_mb"] = round(_max_rss_mb(), 1)

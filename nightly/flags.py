@@ -12,6 +12,9 @@ A registry is TOML, one ``[flags.NAME]`` table per flag::
     production = "1"                # as the target's launcher sets it
     gates = []                      # override the class's default gate list
     evidence = []                   # reports that established the class
+    mechanisms = []                 # DeepSeek mechanisms the flag's code runs in (core.coverage.Mechanism): a gate
+                                    # run none of whose scored positions reached one of them leaves the flag
+                                    # NOT EXERCISED, never PASS (ds41gates/coverage.py)
     notes = ""
     [flags.VLLM_DS41_HC_FUSED.thresholds]
     kl_margin_rel = 0.05            # numerics: allowed worsening vs flag off, relative to off's mean KL
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from core.coverage import MECHANISM_NAMES
 from core.errors import UserError
 from core.tomlfile import read_toml
 
@@ -60,7 +64,7 @@ CLASS_GATES: dict[str, tuple[str, ...]] = {
 KNOWN_GATES = frozenset(g for gates in CLASS_GATES.values() for g in gates)
 
 _ENTRY_KEYS = {"description", "class", "kind", "component", "values", "default", "production", "gates",
-               "evidence", "notes", "thresholds"}
+               "evidence", "notes", "thresholds", "mechanisms"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -172,6 +176,7 @@ class FlagEntry:
     production: str | None = None
     gates: tuple[str, ...] = ()
     evidence: tuple[str, ...] = ()
+    mechanisms: tuple[str, ...] = ()
     notes: str = ""
     thresholds: Thresholds = field(default_factory=Thresholds)
     source: str = ""
@@ -245,6 +250,12 @@ def parse_entry(name: str, data: Mapping[str, Any], source: str = "", base: Flag
     for key in ("gates", "evidence"):
         if key in data:
             cur[key] = _str_tuple(data[key], key, where)
+    if "mechanisms" in data:
+        cur["mechanisms"] = _str_tuple(data["mechanisms"], "mechanisms", where)
+        unknown_mech = [m for m in cur["mechanisms"] if m not in MECHANISM_NAMES]
+        if unknown_mech or len(set(cur["mechanisms"])) != len(cur["mechanisms"]):
+            raise FlagRegistryError(f"{where}: 'mechanisms' must name each of {list(MECHANISM_NAMES)} at most once, "
+                                    f"got {list(cur['mechanisms'])}")
     bad = sorted(set(cur.get("gates", ())) - KNOWN_GATES)
     if bad:
         raise FlagRegistryError(f"{where}: unknown gate(s) {bad}; known: {sorted(KNOWN_GATES)}")

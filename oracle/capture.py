@@ -4,8 +4,9 @@
 ``capture_hf(model_dir, ids, precision)`` runs the transformers oracle (oracle/hf.py's loader, fp32) once on
 ``ids`` with forward hooks on every decoder layer and on its attention and MLP modules, and returns per site
 ``L<i>.attn`` (the attention output before the residual add), ``L<i>.mlp`` (the MLP output before the add) and
-``L<i>.resid`` (the residual stream leaving the layer) as float32 [n, d]: the same sites, with the same meaning,
-as the engine's runner captures (engine/localize_runner.py). ``precision`` is the oracle's own run at another
+``L<i>.resid`` (the residual stream leaving the layer) as float32 [n, d], and beside the layers ``embed`` (the
+embedding output), ``final_norm`` (the final norm's output) and ``logits`` [n, vocab]: the same sites, with the
+same meaning, as the engine's runner captures (engine/localize_runner.py). ``precision`` is the oracle's own run at another
 precision, the localizer's per-layer noise floor: ``bf16`` (the weights and activations in bfloat16, what an
 honest bf16 engine could look like) or ``fp64`` (the fp32 oracle's own rounding noise, the floor of an fp32
 engine). A prefill of ``ids + [next]`` gives the prefill rows and the decode step's row in one forward (the
@@ -13,7 +14,8 @@ model is causal; the decode position is row n).
 
 ``capture_dsv41(ckpt_dir, ids, precision)`` does the same with the DeepSeek oracle's in-memory model
 (oracle/dsv41/model.py), block by block: ``L<i>.attn`` the attention output, ``L<i>.mlp`` the MoE output,
-``L<i>.resid`` the hyper-connection streams leaving the block [n, hc * d]; ``precision`` ``fp32`` or
+``L<i>.resid`` the hyper-connection streams leaving the block [n, hc * d], ``embed`` and ``logits`` (the head
+computes its final norm inline, so there is no ``final_norm`` site on this oracle); ``precision`` ``fp32`` or
 ``reference-bf16``.
 
 Memory: with ``spill=DIR`` neither keeps a capture: each hook writes its site, as it fires, to
@@ -30,7 +32,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-SITES = ("attn", "mlp", "resid")
+SITES = ("attn", "mlp", "resid")                   # per decoder layer
+OUTER_SITES = ("embed", "final_norm", "logits")    # the embedding output, the final norm's output, the logits
 PRECISIONS = ("fp32", "bf16", "fp64")
 _ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
 
@@ -119,14 +122,20 @@ class _Sink:
         return self.acts if self.spill is None else SpillCaptures(self.spill)
 
 
-def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layers: Sequence[int] | None = None,
-                  threads: int = 1, spill: str | Path | None = None) -> Mapping[str, torch.Tensor]:
+def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES + OUTER_SITES,
+                  layers: Sequence[int] | None = None, threads: int = 1,
+                  spill: str | Path | None = None) -> Mapping[str, torch.Tensor]:
     """One forward of a loaded transformers causal LM over ``ids`` with hooks on the sites -> {key: fp32 [n, d]}
     (``spill``: written there as the hooks fire, returned as SpillCaptures)."""
     mods = _decoder_layers(model)
+    bad = [int(i) for i in (layers or ()) if not -len(mods) <= int(i) < len(mods)]
+    if bad:
+        raise CaptureError(f"layers {bad}: the model has {len(mods)} decoder layers (0..{len(mods) - 1})")
     wanted = set(range(len(mods))) if layers is None else {int(i) % len(mods) for i in layers}
     out = _Sink(spill)
     handles = []
+    outer = {"embed": model.get_input_embeddings(), "logits": model.get_output_embeddings(),
+             "final_norm": getattr(getattr(model, "model", None), "norm", None)}
 
     def keep(key):
         def hook(module, args, output):
@@ -135,6 +144,11 @@ def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layer
         return hook
 
     try:
+        for role in OUTER_SITES:
+            if role in sites:
+                if outer[role] is None:
+                    raise CaptureError(f"{type(model).__name__}: no module for the {role!r} site")
+                handles.append(outer[role].register_forward_hook(keep(role)))
         for i, layer in enumerate(mods):
             if i not in wanted:
                 continue
@@ -160,7 +174,8 @@ def capture_model(model, ids: Sequence[int], sites: Sequence[str] = SITES, layer
     return out.result()
 
 
-def capture_hf(model_dir: str | Path, ids: Sequence[int], precision: str = "fp32", sites: Sequence[str] = SITES,
+def capture_hf(model_dir: str | Path, ids: Sequence[int], precision: str = "fp32",
+               sites: Sequence[str] = SITES + OUTER_SITES,
                layers: Sequence[int] | None = None, threads: int = 1, oracle=None,
                spill: str | Path | None = None) -> tuple[Mapping, dict]:
     """-> ({key: fp32 [n, d]}, info). ``oracle``: an already loaded ``load_hf`` result (its precision wins);
@@ -192,6 +207,11 @@ class _Tap:
         return getattr(self._inner, name)
 
 
+def _keep_rows(store, key: str, y: torch.Tensor) -> torch.Tensor:
+    store[key] = y[0].reshape(y.shape[1], -1).to(torch.float32).clone()
+    return y
+
+
 def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp32",
                   layers: Sequence[int] | None = None, threads: int = 1,
                   spill: str | Path | None = None) -> tuple[Mapping, dict]:
@@ -212,8 +232,14 @@ def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp
         model = Model(cfg, full_weights(ck), engram_token_map(ck), precision=precision, with_mtp=False,
                       with_vision=False)
         t1 = time.perf_counter()
+        bad = [int(i) for i in (layers or ()) if not -cfg.n_layers <= int(i) < cfg.n_layers]
+        if bad:
+            raise CaptureError(f"layers {bad}: the model has {cfg.n_layers} layers (0..{cfg.n_layers - 1})")
         wanted = set(range(cfg.n_layers)) if layers is None else {int(i) % cfg.n_layers for i in layers}
         out = _Sink(spill)
+        model.embed = _Tap(model.embed, out, "embed", lambda y: y)
+        head_logits = model.head.logits      # an instance attribute shadows the method: the head is tapped
+        model.head.logits = lambda *a, **k: _keep_rows(out, "logits", head_logits(*a, **k))
         for L in sorted(wanted):
             block = model.blocks[L]
             block.attn = _Tap(block.attn, out, f"L{L}.attn", lambda y: y)

@@ -1,4 +1,5 @@
-"""core/localize.py: the localizer's distances, its verdict and the ds41-localize/1 record (pure, no engine)."""
+"""core/localize.py: the localizer's distances, its thresholds, its verdict and the ds41-localize/2 record (pure,
+no engine)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,39 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from core.localize import (DEFAULT_FACTOR, FORMAT, LocalizeError, LocalizeRecord, compare_site, decide,
-                           localize_sites, parse_key, position_distances, summary_rows)
+from core.localize import (FORMAT, LocalizeError, LocalizeRecord, calibration, decide, greedy_differences,
+                           kl_per_position, localize_sites, parse_key, position_distances, set_distances,
+                           site_order, site_threshold, summary_rows)
 
 RNG = np.random.default_rng(0)
-N, D, LAYERS = 12, 32, 4
+N, D, LAYERS, V = 12, 32, 4, 50
+
+
+def _keys(phase: str) -> list[str]:
+    return ([f"{phase}/embed"] + [f"{phase}/L{L}.{s}" for L in range(LAYERS) for s in ("attn", "mlp", "resid")]
+            + [f"{phase}/final_norm", f"{phase}/logits"])
 
 
 def _oracle() -> dict:
     acts = {}
-    for L in range(LAYERS):
-        for site in ("attn", "mlp", "resid"):
-            for phase, n in (("prefill", N), ("decode", 1)):
-                acts[f"{phase}/L{L}.{site}"] = RNG.standard_normal((n, D)) * (1 + L)
+    for phase, n in (("prefill", N), ("decode", 1)):
+        for k in _keys(phase):
+            acts[k] = RNG.standard_normal((n, V if k.endswith("logits") else D)) * 3
     return acts
 
 
 def _noisy(acts: dict, rel: float, seed: int) -> dict:
+    """Each row moved by ``rel`` of its size times a log-normal factor (a floor-like per-position spread)."""
     g = np.random.default_rng(seed)
-    return {k: v + rel * np.abs(v).mean() * g.standard_normal(v.shape) for k, v in acts.items()}
+    out = {}
+    for k, v in acts.items():
+        size = np.linalg.norm(v, axis=1, keepdims=True) / math.sqrt(v.shape[1])
+        out[k] = v + rel * size * np.exp(0.3 * g.standard_normal((len(v), 1))) * g.standard_normal(v.shape)
+    return out
+
+
+def _ids() -> list[int]:
+    return list(range(100, 100 + N + 1))
 
 
 def test_position_distances_are_relative_per_position_and_the_cosine_ignores_scale():
@@ -44,46 +59,109 @@ def test_position_distances_are_relative_per_position_and_the_cosine_ignores_sca
         position_distances(np.zeros((2, 3)), np.zeros((3, 3)))
 
 
-def test_a_site_diverges_only_beyond_the_factor_times_its_floor():
-    o = RNG.standard_normal((N, D))
-    floor = o + 1e-7 * RNG.standard_normal((N, D))
-    same_noise = o + 2e-7 * RNG.standard_normal((N, D))
-    s, per_pos = compare_site("prefill/L3.mlp", same_noise, o, floor)
-    assert not s.diverged and 1.0 < s.ratio < DEFAULT_FACTOR and per_pos.shape == (2, N)
-    s, _ = compare_site("prefill/L3.mlp", o * (1 + 1e-3), o, floor)
-    assert s.diverged and s.ratio > 1000 and (s.layer, s.module, s.phase) == (3, "mlp", "prefill")
-    assert s.rel_mean == pytest.approx(1e-3, rel=1e-6)
+def test_logits_compare_as_distributions_and_index_sets_as_sets():
+    ref = np.log(np.array([[0.5, 0.5], [0.9, 0.1]]))
+    test = np.log(np.array([[0.5, 0.5], [0.5, 0.5]]))
+    want = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)     # KL(ref || test), by hand
+    kl = kl_per_position(test + 7.0, ref)                           # a shift of the logits is no change
+    assert kl[0] == pytest.approx(0.0, abs=1e-15) and kl[1] == pytest.approx(want, rel=1e-12)
+    sets = set_distances(np.array([[1, 2, 3], [4, 5, -1]]), np.array([[3, 2, 1], [4, 6, -1]]))
+    assert sets.tolist() == [0.0, pytest.approx(1 - 1 / 3)]
 
 
-def test_the_verdict_names_the_first_diverged_site_in_forward_order():
+def test_sites_run_from_the_embedding_to_the_logits_in_forward_order():
+    keys = _keys("decode") + _keys("prefill")
+    ordered = sorted(keys, key=site_order)
+    assert ordered[0] == "prefill/embed" and ordered[1] == "prefill/L0.attn"
+    assert ordered[len(ordered) // 2 - 2:len(ordered) // 2] == ["prefill/final_norm", "prefill/logits"]
+    assert parse_key("decode/logits") == ("decode", None, "logits")
+    assert parse_key("prefill/L2.attn_stream") == ("prefill", 2, "attn_stream")
+    for bad in ("prefill/L2.nonsense", "prefill/embedding", "L2.mlp"):
+        with pytest.raises(LocalizeError):
+            parse_key(bad)
+
+
+def test_the_threshold_holds_its_stated_false_alarm_rate_on_runs_distributed_like_the_floor():
+    """Simulated runs whose per-position distances come from the floor's own distribution: the share of runs in
+    which some site is named stays at or under the stated rate (it is set for; Bonferroni is conservative)."""
+    g = np.random.default_rng(7)
+    rate, sites, n, runs = 0.05, 20, 30, 4000
+    cal = calibration(rate, sites * n)
+    alarms = 0
+    for _ in range(runs):
+        mu = g.normal(-9, 1, size=sites)
+        floor = np.exp(mu[:, None] + 0.5 * g.standard_normal((sites, n)))
+        engine = np.exp(mu[:, None] + 0.5 * g.standard_normal((sites, n)))
+        thr = np.array([site_threshold(f, cal) for f in floor])
+        alarms += bool((engine > thr[:, None]).any())
+    assert alarms / runs <= rate, f"{alarms} false alarms in {runs} runs at a stated rate of {rate}"
+    # and a fault a few sigma out is seen: the same engine with one position of one site 30x its floor's median
+    floor = np.exp(-9 + 0.5 * g.standard_normal(n))
+    assert 30 * np.exp(-9) > site_threshold(floor, cal)
+    # a zero floor (a deterministic engine against itself): any difference departs
+    assert site_threshold(np.zeros(n), cal) == 0.0
+    with pytest.raises(LocalizeError, match="false-alarm"):
+        calibration(1.5, 10)
+
+
+def test_the_verdict_names_the_first_diverged_site_with_its_onset():
     oracle = _oracle()
     floor = _noisy(oracle, 1e-7, 1)
     engine = _noisy(oracle, 1e-7, 2)
-    # a fault in layer 2's MLP: that site and everything computed after it move
+    # a fault in layer 2's MLP from prompt position 5 on: that site and everything computed after it move
     for k in engine:
         phase, L, site = parse_key(k)
-        if (L, site) >= (2, "mlp") and not (L == 2 and site == "attn"):
-            engine[k] = engine[k] * (1 + 1e-3) + (1e-4 if (L, site) > (2, "mlp") else 0)
-    sites, per_pos = localize_sites(engine, oracle, floor)
-    ids = list(range(100, 100 + N + 1))
-    texts = [f"t{i}" for i in ids]
-    v = decide(sites, per_pos, ids, texts)
-    assert (v.first_divergent_layer, v.first_divergent_module, v.phase) == (2, "mlp", "prefill")
-    assert v.ratio_at_first > 1000 and v.ratio_layer_before < DEFAULT_FACTOR
-    assert len(v.positions) == 8 and all(p.ratio > DEFAULT_FACTOR for p in v.positions)
-    assert {p.text for p in v.positions} <= set(texts[:N])
+        if L is not None and (L, site) >= (2, "mlp") or site in ("final_norm", "logits"):
+            if phase == "prefill":
+                engine[k] = engine[k].copy()
+                engine[k][5:] *= (1 + 1e-3)
+            else:
+                engine[k] = engine[k] * (1 + 1e-3)
+    sites, rows, cal = localize_sites(engine, oracle, floor)
+    texts = [f"t{i}" for i in _ids()]
+    v = decide(sites, rows, _ids(), texts)
+    assert (v.status, v.site, v.first_divergent_layer, v.first_divergent_module, v.phase) == \
+        ("named", "L2.mlp", 2, "mlp", "prefill")
+    assert v.onset_position == 5 and v.onset_step == 1      # the first departing position, and the decode step
+    assert v.ratio_at_first > 100 and v.ratio_before < 1
+    assert {p.position for p in v.positions} <= set(range(5, N)) and all(p.ratio > 1 for p in v.positions)
     assert [g.layer for g in v.growth] == [2, 3] and v.growth_factor is not None
 
 
-def test_the_unperturbed_engine_names_nothing_and_a_decode_only_fault_is_named_in_the_decode_step():
+def test_a_change_before_layer_0_is_the_embedding_and_after_the_last_layer_the_final_norm():
     oracle = _oracle()
-    floor, engine = _noisy(oracle, 1e-7, 3), _noisy(oracle, 1e-7, 4)
-    v = decide(*localize_sites(engine, oracle, floor), list(range(N + 1)))
-    assert not v.named and v.first_divergent_module is None and 0 < v.max_ratio < DEFAULT_FACTOR
-    engine["decode/L1.attn"] = engine["decode/L1.attn"] * 1.01
-    v = decide(*localize_sites(engine, oracle, floor), list(range(N + 1)), [str(i) for i in range(N + 1)])
-    assert (v.first_divergent_layer, v.first_divergent_module, v.phase) == (1, "attn", "decode")
-    assert [p.position for p in v.positions] == [N]  # the decode row is the position after the prompt
+    floor = _noisy(oracle, 1e-7, 3)
+    for first, moved in (("embed", lambda k: True), ("final_norm", lambda k: k.endswith(("final_norm", "logits")))):
+        engine = _noisy(oracle, 1e-7, 4)
+        engine = {k: (v * 1.01 if moved(k) else v) for k, v in engine.items()}
+        v = decide(*localize_sites(engine, oracle, floor)[:2], _ids())
+        assert (v.status, v.site, v.first_divergent_layer) == ("named", first, None)
+    engine = _noisy(oracle, 1e-7, 4)
+    engine["prefill/logits"] = engine["prefill/logits"] + np.linspace(0, 1, V)   # only the distribution moved
+    v = decide(*localize_sites(engine, oracle, floor)[:2], _ids())
+    assert v.site == "logits" and v.output_differs and "KL" in v.output_differs[0]
+
+
+def test_the_rule_outputs_that_differ_never_read_as_nothing_diverged():
+    """If the outputs differ, the verdict names a site or says the floor is too wide, and by how much."""
+    oracle = _oracle()
+    floor, engine = _noisy(oracle, 1e-7, 5), _noisy(oracle, 1e-7, 6)
+    sites, rows, _ = localize_sites(engine, oracle, floor)
+    v = decide(sites, rows, _ids())
+    assert v.status == "clean" and not v.named and 0 < v.max_ratio < 1 and v.output_differs == ()
+    diffs = greedy_differences([7, 8], [7, 9], "oracle")
+    assert diffs == ["greedy token 2: 8 vs the oracle's 9"]
+    v = decide(sites, rows, _ids(), output_differs=diffs)
+    assert v.status == "floor_too_wide" and not v.named and v.site is None
+    assert "greedy token 2" in v.explanation and f"{1 / v.max_ratio:.3g}x narrower" in v.explanation
+    assert v.max_ratio_site in v.explanation
+    # over many random runs with and without a difference, "clean" only ever stands beside agreeing outputs
+    g = np.random.default_rng(11)
+    for trial in range(30):
+        e = _noisy(oracle, 1e-7 * (1 + 10 * g.random()), 100 + trial)
+        d = greedy_differences([1, int(g.integers(2))], [1, 0])
+        v = decide(*localize_sites(e, oracle, floor)[:2], _ids(), output_differs=d)
+        assert v.status in ("named", "floor_too_wide") if d else v.status in ("named", "clean")
 
 
 def test_the_record_round_trips_and_refuses_a_wrong_one(tmp_path):
@@ -91,23 +169,27 @@ def test_the_record_round_trips_and_refuses_a_wrong_one(tmp_path):
     engine = dict(oracle)
     engine["prefill/L0.resid"] = engine["prefill/L0.resid"].copy()
     engine["prefill/L0.resid"][3] = np.inf  # a non-finite engine row is infinitely far
-    sites, per_pos = localize_sites(engine, oracle, _noisy(oracle, 1e-7, 5))
-    v = decide(sites, per_pos, list(range(N + 1)))
-    assert (v.first_divergent_layer, v.first_divergent_module) == (0, "resid")
+    sites, rows, cal = localize_sites(engine, oracle, _noisy(oracle, 1e-7, 5))
+    v = decide(sites, rows, _ids())
+    assert (v.first_divergent_layer, v.first_divergent_module, v.onset_position) == (0, "resid", 3)
     rec = LocalizeRecord(engine={"profile": "p"}, oracle={"oracle": "o"}, floor={"precision": "fp64"},
-                         factor=DEFAULT_FACTOR, prompt={"token_ids": list(range(N))}, verdict=v, sites=tuple(sites))
+                         calibration=cal, prompt={"token_ids": list(range(N))}, verdict=v, sites=tuple(sites))
     path = rec.save(tmp_path / "localize.json")
     data = json.loads(path.read_text())
-    assert data["format"] == FORMAT and data["verdict"]["named"] is True
-    assert data["verdict"]["first_divergent_layer"] == 0 and data["verdict"]["first_divergent_module"] == "resid"
+    assert data["format"] == FORMAT and data["verdict"]["named"] is True and data["verdict"]["status"] == "named"
+    assert data["verdict"]["site"] == "L0.resid" and data["calibration"]["false_alarm_rate"] == 1e-3
     back = LocalizeRecord.load(path)
     assert back == rec
-    assert summary_rows(back)[0]["diverged"] == "resid"
-    data["format"] = "ds41-localize/0"
+    assert summary_rows(back)[1]["diverged"] == "resid" and summary_rows(back)[0]["layer"] == "embed"
+    data["format"] = "ds41-localize/1"
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(LocalizeError, match="format"):
         LocalizeRecord.load(tmp_path / "bad.json")
     data["format"] = FORMAT
+    data["verdict"]["status"] = "fine"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(LocalizeError, match="status"):
+        LocalizeRecord.load(tmp_path / "bad.json")
     del data["verdict"]["first_divergent_layer"]
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(LocalizeError, match="malformed"):
@@ -146,10 +228,7 @@ def test_the_comparison_holds_one_site_of_the_engine_the_oracle_and_the_floor_at
     as_bytes = lambda acts: {k: (v.tobytes(), v.shape) for k, v in acts.items()}   # noqa: E731
     eng, orc, flo = (_Lazy(as_bytes(a)) for a in (_noisy(oracle, 1e-7, 2), oracle, _noisy(oracle, 1e-7, 1)))
     _Lazy.live, _Lazy.peak = [], 0
-    sites, _ = localize_sites(eng, orc, flo)
+    sites, _, _ = localize_sites(eng, orc, flo)
     assert len(sites) == len(oracle) and _Lazy.peak <= 3, f"{_Lazy.peak} arrays alive at once"
     # each site read once from each side, in forward order
-    assert eng.reads == orc.reads == flo.reads == sorted(oracle, key=lambda k: (k.startswith("decode"),
-                                                                                  int(k.split("L")[1].split(".")[0]),
-                                                                                  ("attn", "mlp", "resid").index(
-                                                                                      k.rsplit(".", 1)[1])))
+    assert eng.reads == orc.reads == flo.reads == _keys("prefill") + _keys("decode")

@@ -35,9 +35,9 @@ def _fake_localize_record(n: int) -> LocalizeRecord:
     floor = {k: v + 1e-7 * rng.standard_normal(v.shape) for k, v in oracle.items()}
     engine = {k: v * (1.01 if k.endswith(("L1.mlp", "L1.resid", "L2.attn", "L2.mlp", "L2.resid")) else 1.0)
               + 1e-7 * rng.standard_normal(v.shape) for k, v in oracle.items()}
-    sites, per_pos = localize_sites(engine, oracle, floor)
+    sites, per_pos, cal = localize_sites(engine, oracle, floor)
     return LocalizeRecord(engine={"profile": "vllm-cpu-fp32"}, oracle={"oracle": "oracle.hf", "precision": "fp32"},
-                          floor={"precision": "fp64"}, factor=10.0, prompt={"n_tokens": n},
+                          floor={"precision": "fp64"}, calibration=cal, prompt={"n_tokens": n},
                           verdict=decide(sites, per_pos, list(range(n + 1))), sites=tuple(sites))
 
 
@@ -71,7 +71,7 @@ def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path, monkeyp
     v = GateResults.load(tmp_path).gate("localize").evidence["verdict"]
     assert (v["first_divergent_layer"], v["first_divergent_module"]) == (1, "mlp")
     assert (tmp_path / "localize" / "localize.json").exists() and (tmp_path / "localize" / "localize.png").exists()
-    assert TITLE in run.report_sections and "layer 1, module mlp" in run.report_sections[TITLE]["note"]
+    assert TITLE in run.report_sections and "first divergent: L1.mlp" in run.report_sections[TITLE]["note"]
     paths = write_report(run.reference, run.engines, tmp_path, (), run.report_sections, plots=run.plots)
     html = paths.html.read_text()
     assert "Divergence localizer: s1" in html and TITLE in html

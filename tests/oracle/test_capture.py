@@ -22,8 +22,14 @@ def test_the_sites_add_up_to_the_residual_stream_and_the_floor_is_the_same_model
     orc = load_hf(smol, "fp32")
     acts, info = capture_hf(smol, ids, "fp32", oracle=orc)
     n_layers = orc.model.config.num_hidden_layers
-    assert set(acts) == {f"L{i}.{s}" for i in range(n_layers) for s in ("attn", "mlp", "resid")}
-    assert info["dtype"] == "float32" and all(v.shape == (len(ids), 576) for v in acts.values())
+    assert set(acts) == {f"L{i}.{s}" for i in range(n_layers) for s in ("attn", "mlp", "resid")} | {
+        "embed", "final_norm", "logits"}
+    assert info["dtype"] == "float32" and all(v.shape == (len(ids), 576) for k, v in acts.items() if k != "logits")
+    assert acts["logits"].shape == (len(ids), orc.model.config.vocab_size)
+    # the embedding is the rows of the token ids; layer 0 starts from it
+    torch.testing.assert_close(acts["embed"], orc.model.get_input_embeddings().weight[ids], rtol=0, atol=0)
+    torch.testing.assert_close(acts["L0.resid"], acts["embed"] + acts["L0.attn"] + acts["L0.mlp"],
+                               rtol=1e-5, atol=1e-5)
     # the residual stream leaving layer i = the stream entering it + its attention output + its MLP output
     for i in range(1, n_layers):
         want = acts[f"L{i - 1}.resid"] + acts[f"L{i}.attn"] + acts[f"L{i}.mlp"]
@@ -37,12 +43,17 @@ def test_the_sites_add_up_to_the_residual_stream_and_the_floor_is_the_same_model
     try:
         with torch.inference_mode():
             hs = orc.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+            head = orc.model.lm_head(hs[-1][0])
     finally:
         torch.set_num_threads(prev)
     torch.testing.assert_close(acts["L3.resid"], hs[4][0], rtol=0, atol=0)
+    # the final norm's output is transformers' last hidden state, and the logits are the head on it
+    torch.testing.assert_close(acts["final_norm"], hs[-1][0], rtol=0, atol=0)
+    torch.testing.assert_close(acts["logits"], head, rtol=0, atol=0)
     # the floor runs: the same model at another precision, close to fp32 and not equal to it
     f64, info64 = capture_hf(smol, ids, "fp64", layers=[0, 3], oracle=load_hf(smol, "fp64", base=orc))
-    assert info64["dtype"] == "float64" and set(f64) == {f"L{i}.{s}" for i in (0, 3) for s in ("attn", "mlp", "resid")}
+    assert info64["dtype"] == "float64" and set(f64) == {f"L{i}.{s}" for i in (0, 3) for s in ("attn", "mlp", "resid")
+                                                         } | {"embed", "final_norm", "logits"}
     rel = (f64["L3.resid"] - acts["L3.resid"]).norm() / acts["L3.resid"].norm()
     assert 0 < rel < 1e-5
     bf16, _ = capture_hf(smol, ids, "bf16", layers=[3], oracle=load_hf(smol, "bf16", base=orc))
@@ -72,7 +83,7 @@ def test_with_a_spill_folder_each_site_is_written_as_it_fires_and_read_back_one_
 
     monkeypatch.setattr(cap, "spill_write", spy_write)
     lazy, _ = cap.capture_hf(smol, ids, "fp32", layers=[0, 5, 29], oracle=orc, spill=tmp_path / "o")
-    assert isinstance(lazy, cap.SpillCaptures) and len(live) == 9
+    assert isinstance(lazy, cap.SpillCaptures) and len(live) == 9 + 3   # 3 layers x 3 sites, embed, norm, logits
     assert peak[0] == 1, f"{peak[0]} captures alive at once in the hooks"
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == sorted(f"{k}.safetensors" for k in mem)
     opened = []
@@ -83,3 +94,10 @@ def test_with_a_spill_folder_each_site_is_written_as_it_fires_and_read_back_one_
     for k in mem:
         torch.testing.assert_close(lazy[k], mem[k], rtol=0, atol=0)
     assert opened == [f"{k}.safetensors" for k in mem]     # one file per access, that site's
+
+
+def test_layers_outside_the_model_are_an_error_naming_the_range(smol):
+    from oracle.capture import CaptureError, capture_hf, load_hf
+
+    with pytest.raises(CaptureError, match=r"layers \[999\]: the model has 30 decoder layers \(0\.\.29\)"):
+        capture_hf(smol, [1, 2, 3], "fp32", layers=[0, 999], oracle=load_hf(smol, "fp32"))
