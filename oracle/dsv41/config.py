@@ -150,9 +150,11 @@ class ModelConfig:
         if not self.norm_topk_prob and self.score_func != "softmax":
             raise ConfigError("config: norm_topk_prob false: the DeepSeek-V4 reference always divides the routing "
                               "weights by their sum (score_func != softmax) and has no switch for it")
-        if self.engram_layer_ids or self.dspark_block_size or self.vision_n_layers:
-            raise ConfigError("config: DeepSeek-V4 has no Engram, DSpark or vision path (engram_layer_ids, "
-                              "dspark_block_size, vision_n_layers must be empty / 0)")
+        if self.engram_layer_ids or self.vision_n_layers:
+            raise ConfigError("config: DeepSeek-V4 has no Engram or vision path in this oracle (engram_layer_ids, "
+                              "vision_n_layers must be empty / 0)")
+        if self.dspark_block_size:
+            self._check_v4_dspark()
         if self.gate_temp != 1.0:
             raise ConfigError("config: gate_temp is a V4.1 router setting; the DeepSeek-V4 router has none")
         if self.scale_fmt not in ("ue8m0", None):
@@ -166,6 +168,23 @@ class ModelConfig:
                 raise ConfigError(f"config: {what} = {d} is not a multiple of 128 (V4 QDQs GEMM inputs per 128)")
         if self.index_head_dim & (self.index_head_dim - 1):
             raise ConfigError(f"config: index_head_dim {self.index_head_dim} must be a power of two (Hadamard)")
+
+    def _check_v4_dspark(self) -> None:
+        """V4-Flash's DSpark drafter as exllamav3 reads it (oracle/dsv41/dspark_v4.py): compressor-less stages
+        past the trunk, taps at trunk layer outputs, the trunk's expert count."""
+        mtp_ratios = self.compress_ratios[self.n_layers:]
+        if not self.n_mtp_layers or any(mtp_ratios):
+            raise ConfigError(f"config: dspark_block_size {self.dspark_block_size} needs >= 1 MTP stage with "
+                              f"compress ratio 0 past the trunk (compress_ratios tail {list(mtp_ratios)})")
+        if not self.dspark_target_layer_ids or any(not 0 <= L < self.n_layers for L in self.dspark_target_layer_ids):
+            raise ConfigError(f"config: dspark_target_layer_ids {list(self.dspark_target_layer_ids)} must be trunk "
+                              f"layers 0..{self.n_layers - 1} (at least one)")
+        if self.dspark_n_routed_experts or self.dspark_n_activated_experts:
+            raise ConfigError("config: the DeepSeek-V4 drafter's MoE has the trunk's experts; "
+                              "dspark_n_routed_experts / dspark_num_experts_per_tok are V4.1 keys")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size or self.dspark_markov_rank < 1:
+            raise ConfigError(f"config: dspark_noise_token_id {self.dspark_noise_token_id} must be a token id below "
+                              f"{self.vocab_size} and dspark_markov_rank {self.dspark_markov_rank} >= 1")
 
     # ---- derived (§2.3, §3) -----------------------------------------------------------------
     def is_hash_layer(self, layer_id: int) -> bool:

@@ -174,7 +174,9 @@ def inventory_v4(cfg: ModelConfig) -> Inventory:
     indexer with its own compressor on ratio-4 layers, the MoE gate (``tid2eid`` on hash layers, ``bias``
     elsewhere), routed experts (``expert_dtype``: fp4 or fp8) and the FP8 shared expert; at the top the
     embedding, final norm, head and ``hc_head_*``; per MTP layer a block plus e_proj/h_proj, enorm/hnorm,
-    norm and its own ``hc_head_*``."""
+    norm and its own ``hc_head_*`` — or, with ``dspark_block_size``, V4-Flash's DSpark drafter: compressor-less
+    blocks ``mtp.S``, ``mtp.0.main_proj/main_norm``, and on the last stage ``hc_head_*``, ``norm``, the markov
+    head (``markov_w1``, ``markov_w2``) and ``confidence_head.proj``."""
     d, hc = cfg.dim, cfg.hc_mult
     lin: dict[str, LinearSpec] = {}
     ten: dict[str, TensorSpec] = {}
@@ -218,7 +220,18 @@ def inventory_v4(cfg: ModelConfig) -> Inventory:
 
     for L in range(cfg.n_layers):
         block(f"layers.{L}", L)
-    for S in range(cfg.n_mtp_layers):
+    if cfg.dspark_block_size:  # V4-Flash's DSpark drafter, as exllamav3 reads it (dspark_v4.py)
+        for S in range(cfg.n_mtp_layers):
+            block(f"mtp.{S}", cfg.n_layers + S)
+        lin["mtp.0.main_proj"] = LinearSpec(d, d * len(cfg.dspark_target_layer_ids), "fp8")
+        ten["mtp.0.main_norm.weight"] = TensorSpec((d,), "BF16")
+        last, r = f"mtp.{cfg.n_mtp_layers - 1}", cfg.dspark_markov_rank
+        hc_head(f"{last}.")
+        ten[f"{last}.norm.weight"] = TensorSpec((d,), "BF16")
+        lin[f"{last}.markov_head.markov_w1"] = LinearSpec(cfg.vocab_size, r, "bf16")
+        lin[f"{last}.markov_head.markov_w2"] = LinearSpec(cfg.vocab_size, r, "bf16")
+        lin[f"{last}.confidence_head.proj"] = LinearSpec(1, d + r, "bf16")
+    for S in range(0 if cfg.dspark_block_size else cfg.n_mtp_layers):
         m = f"mtp.{S}"
         block(m, cfg.n_layers + S)
         lin[f"{m}.e_proj"] = LinearSpec(d, d, "fp8")

@@ -23,7 +23,6 @@ from .engram import Engram, EngramLayout, NgramHasher
 from .head import Embedding
 from .image_processor import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageInputError, ImageSpan,
                               ProcessedImage)
-from .mtp import DSpark
 from .numerics import Numerics
 from .vision import VisionTower
 from .weights import need
@@ -68,7 +67,7 @@ class Model:
             self.hasher = NgramHasher(cfg, EngramLayout.build(cfg), token_map)
         self.mtp = None
         if with_mtp and cfg.n_mtp_layers and cfg.dspark_block_size:
-            self.mtp = DSpark(cfg, weights, self.embed, self.head)
+            self.mtp = arch.drafter(cfg, weights, self.embed, self.head)
         self.vision = self.aligner = None
         if with_vision and cfg.vision_n_layers > 0:
             if not 0 <= cfg.image_token_id < cfg.vocab_size:
@@ -167,11 +166,14 @@ class Model:
             hashes, state.engram_history = self.hasher(input_ids, state.engram_history, start_pos, engram_mask)
         h, pre = embed_step(self.embed, input_ids, cfg.hc_mult, merge)
         taps = []
+        tap_output = arch_of(cfg).taps_block_output
         for L, block in enumerate(self.blocks):
             h = engram_step(self.engrams.get(L), h, hashes, engram_mask, state.num)
-            if L in cfg.dspark_target_layer_ids:  # after Engram, before the block
+            if L in cfg.dspark_target_layer_ids and not tap_output:  # V4.1: after Engram, before the block
                 taps.append(state.num.r(h.mean(dim=2)))
             h, pre = block(h, pre, ctx)
+            if L in cfg.dspark_target_layer_ids and tap_output:  # V4: the block's output
+                taps.append(state.num.r(h.mean(dim=2)))
         logits = head_step(self.head, h, pre, state.num)
         state.next_pos = start_pos + s
         return ForwardOutput(logits, torch.cat(taps, dim=-1) if taps else None)

