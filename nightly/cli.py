@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.results import FILE_NAME, GateResults, ResultsError
-from nightly.flags import CLASSES, FlagRegistryError, Registry, check_profile, load_registry
+from nightly.flags import CLASS_GATES, CLASSES, FlagRegistryError, Registry, check_profile, load_registry
 
 DEFAULT_DB = Path("nightly") / "history.sqlite"
 DEFAULT_OUT = Path("nightly") / "runs"
@@ -44,8 +44,19 @@ def _registry(paths: Optional[List[Path]]) -> Registry:
         raise typer.Exit(2)
 
 
-def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict]:
-    """flag → {passed, gates: {gate: (passed, why)}, source}: from results.json if given, else the history DB."""
+def _expected(reg: Registry, flag: str, cls: str = "") -> tuple[str, ...]:
+    """The gates a flag's A/B must run: its registry entry's, else (a flag of another registry) its class's."""
+    if flag in reg:
+        return reg.get(flag).effective_gates()
+    return CLASS_GATES.get(cls, ())
+
+
+def last_verdicts(db: Optional[Path], results: Optional[Path], reg: Registry) -> dict[str, dict]:
+    """flag → {verdict, passed, label, gates: {gate: {outcome, why}}, source}: from results.json if given, else the
+    history DB. The verdict is core.results.aggregate over every gate the registry expects of the flag: an
+    errored, skipped or missing gate makes it ERROR / NOT EXERCISED, never pass."""
+    from nightly.history import aggregate_dict, latest_flag_verdicts
+
     out: dict[str, dict] = {}
     if results is not None:
         try:
@@ -54,14 +65,13 @@ def last_verdicts(db: Optional[Path], results: Optional[Path]) -> dict[str, dict
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2)
         source = str(results / FILE_NAME if results.is_dir() else results)
-        for flag in run.flag_ab:
-            out[flag.flag] = {"passed": flag.passed, "gates": {v.gate: (v.passed, v.why) for v in flag.gates},
-                              "source": source}
+        for flag in run.flags_seen():
+            ab = run.flag(flag)
+            agg = run.flag_aggregate(flag, _expected(reg, flag, ab.cls if ab is not None else ""))
+            out[flag] = {**aggregate_dict(agg), "source": source}
         return out
     if db is not None and db.exists():
-        from nightly.history import latest_flag_verdicts
-
-        for flag, slot in latest_flag_verdicts(db).items():
+        for flag, slot in latest_flag_verdicts(db, {e.name: e.effective_gates() for e in reg}).items():
             out[flag] = {**slot, "source": f"run {slot['run_id']} ({slot['started']}) cell {slot['cell']}"}
     return out
 
@@ -83,7 +93,7 @@ def list_flags(
         typer.echo(f"error: --class must be one of {CLASSES}", err=True)
         raise typer.Exit(2)
     reg = _registry(registry)
-    verdicts = last_verdicts(db, results)
+    verdicts = last_verdicts(db, results, reg)
     entries = [e for e in reg if cls is None or e.cls == cls]
     if as_json:
         typer.echo(json.dumps([{**e.as_dict(), "last_verdict": verdicts.get(e.name)} for e in entries],
@@ -97,9 +107,7 @@ def list_flags(
         if v is None:
             verdict = Text("—")
         else:
-            bad = [g for g, (p, _) in v["gates"].items() if not p]
-            verdict = Text("pass" if v["passed"] else f"FAIL ({', '.join(bad)})",
-                           style="green" if v["passed"] else "bold red")
+            verdict = Text(v["label"], style="green" if v["passed"] else "bold red")
         table.add_row(Text(e.name), Text(e.cls), Text(e.kind or ""), Text(e.component),
                       Text(", ".join(e.effective_gates())), verdict)
     Console(width=160).print(table)

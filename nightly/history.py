@@ -1,15 +1,21 @@
 """The nightly history database (SQLite, stdlib): runs, cells, gate results, metrics, flag verdicts.
 
-Schema (``SCHEMA_VERSION`` 1)::
+Schema (``SCHEMA_VERSION`` 2; a version-1 file is migrated in place on open)::
 
     runs(id, started, finished, config_name, config_path, config_hash, git_commit, host, status, exit_code, out_dir)
     cells(run_id, cell, profile, flags, pytest_exit, duration_s, status, results_dir)
-    gate_results(run_id, cell, gate, outcome, duration_s, message)         -- one row per junit test case
+    gate_results(run_id, cell, gate, outcome, duration_s, message)         -- one row per gate test case
     metrics(run_id, cell, name, value, per_prompt)                        -- per_prompt: JSON list or NULL
-    flag_verdicts(run_id, cell, flag, class, gate, passed, why)
+    flag_verdicts(run_id, cell, flag, class, gate, passed, why, outcome)  -- one row per EXPECTED gate of a flag
+
+``outcome`` of a gate: passed | failed | error | skipped | xfailed (version 1 could not hold an xfail: junit writes
+it as a skip, so the outcomes now come from the typed results.json). ``flag_verdicts.outcome`` adds ``missing``
+(expected by the flag's class, never ran); version-1 rows have none (their ``passed`` is all they say).
 
 ``status`` of a run: ``green`` (every gate of every cell passed), ``red`` (failures, no regression against a
-baseline) or ``regression``. A cell's status is ``green`` or ``red``. Writes are one transaction per run.
+baseline) or ``regression``. A cell's status is ``green`` or ``red``: red when a gate failed or errored, pytest
+exited non-zero, or a finding against its baseline names it (a gate that passed there and did not pass now), so
+a red cell is never the next night's baseline. Writes are one transaction per run.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import sqlite3
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from core.results import GateResults
+from core.results import Aggregate, GateResults, GateTally, aggregate
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -41,14 +48,16 @@ CREATE TABLE IF NOT EXISTS cells(
     PRIMARY KEY(run_id, cell));
 CREATE TABLE IF NOT EXISTS gate_results(
     run_id INTEGER NOT NULL REFERENCES runs(id), cell TEXT NOT NULL, gate TEXT NOT NULL,
-    outcome TEXT NOT NULL CHECK(outcome IN ('passed', 'failed', 'error', 'skipped')),
+    outcome TEXT NOT NULL CHECK(outcome IN ('passed', 'failed', 'error', 'skipped', 'xfailed')),
     duration_s REAL NOT NULL, message TEXT NOT NULL, PRIMARY KEY(run_id, cell, gate));
 CREATE TABLE IF NOT EXISTS metrics(
     run_id INTEGER NOT NULL REFERENCES runs(id), cell TEXT NOT NULL, name TEXT NOT NULL,
     value REAL, per_prompt TEXT, PRIMARY KEY(run_id, cell, name));
 CREATE TABLE IF NOT EXISTS flag_verdicts(
     run_id INTEGER NOT NULL REFERENCES runs(id), cell TEXT NOT NULL, flag TEXT NOT NULL, class TEXT NOT NULL,
-    gate TEXT NOT NULL, passed INTEGER NOT NULL, why TEXT NOT NULL, PRIMARY KEY(run_id, cell, flag, gate));
+    gate TEXT NOT NULL, passed INTEGER NOT NULL, why TEXT NOT NULL,
+    outcome TEXT CHECK(outcome IN ('passed', 'failed', 'error', 'skipped', 'xfailed', 'missing')),
+    PRIMARY KEY(run_id, cell, flag, gate));
 CREATE INDEX IF NOT EXISTS gate_results_cell ON gate_results(cell, gate);
 CREATE INDEX IF NOT EXISTS metrics_cell ON metrics(cell, name);
 """
@@ -61,7 +70,7 @@ class HistoryError(RuntimeError):
 @dataclass(frozen=True)
 class GateOutcome:
     gate: str            # junit id: "file::test[param]"
-    outcome: str         # passed | failed | error | skipped
+    outcome: str         # passed | failed | error | skipped | xfailed
     duration_s: float = 0.0
     message: str = ""
 
@@ -79,11 +88,18 @@ class Metric:
 
 @dataclass(frozen=True)
 class FlagVerdict:
+    """One expected gate of one flag's A/B in one cell: how it ended (``outcome``, core.results.GateState)."""
+
     flag: str
     cls: str
     gate: str
     passed: bool
     why: str
+    outcome: str = ""    # "" only in rows written before schema 2: then ``passed`` is all there is
+
+    @property
+    def state(self) -> str:
+        return self.outcome or ("passed" if self.passed else "failed")
 
 
 @dataclass
@@ -97,10 +113,16 @@ class CellRecord:
     gates: list[GateOutcome] = field(default_factory=list)
     metrics: list[Metric] = field(default_factory=list)
     flag_verdicts: list[FlagVerdict] = field(default_factory=list)
+    red_findings: tuple[str, ...] = ()    # findings against the baseline that make this cell red (the runner's)
 
     @property
     def green(self) -> bool:
-        return self.pytest_exit == 0 and bool(self.gates) and not any(g.failed for g in self.gates)
+        return (self.pytest_exit == 0 and bool(self.gates) and not any(g.failed for g in self.gates)
+                and not self.red_findings and all(a.passed for a in self.flag_aggregates().values()))
+
+    def flag_aggregates(self) -> dict[str, Aggregate]:
+        """Each flag's verdict over its stored rows (one per expected gate): the one rule of core.results."""
+        return flag_aggregates(self.flag_verdicts)
 
 
 @dataclass(frozen=True)
@@ -125,10 +147,34 @@ def connect(path: str | Path) -> sqlite3.Connection:
     if row is None:
         with conn:
             conn.execute("INSERT INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),))
+    elif row[0] == "1":
+        _migrate_from_1(conn)
     elif int(row[0]) != SCHEMA_VERSION:
         conn.close()
         raise HistoryError(f"{path}: history schema version {row[0]}, this harness writes {SCHEMA_VERSION}")
     return conn
+
+
+def _migrate_from_1(conn: sqlite3.Connection) -> None:
+    """Version 1 → 2 in one transaction: gate_results may hold 'xfailed' (SQLite changes a CHECK only by
+    rebuilding the table), flag_verdicts gains its outcome column (NULL for the old rows)."""
+    conn.execute("BEGIN")   # explicit: the sqlite3 module opens no transaction before DDL by itself
+    try:
+        conn.execute("ALTER TABLE gate_results RENAME TO gate_results_v1")
+        conn.execute("DROP INDEX IF EXISTS gate_results_cell")
+        for stmt in SCHEMA.split(";"):
+            if "gate_results" in stmt:
+                conn.execute(stmt)
+        conn.execute("INSERT INTO gate_results SELECT * FROM gate_results_v1")
+        conn.execute("DROP TABLE gate_results_v1")
+        if "outcome" not in {r[1] for r in conn.execute("PRAGMA table_info(flag_verdicts)")}:
+            conn.execute("ALTER TABLE flag_verdicts ADD COLUMN outcome TEXT CHECK(outcome IN ('passed', 'failed', "
+                         "'error', 'skipped', 'xfailed', 'missing'))")
+        conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
 
 
 def insert_run(db: str | Path, *, started: str, finished: str, config_name: str, config_path: str,
@@ -159,9 +205,9 @@ def insert_run(db: str | Path, *, started: str, finished: str, config_name: str,
             conn.executemany("INSERT OR REPLACE INTO metrics VALUES(?,?,?,?,?)",
                              [(run_id, r(c.cell), r(m.name), m.value,
                                None if m.per_prompt is None else json.dumps(list(m.per_prompt))) for m in c.metrics])
-            conn.executemany("INSERT OR REPLACE INTO flag_verdicts VALUES(?,?,?,?,?,?,?)",
-                             [(run_id, r(c.cell), r(v.flag), v.cls, r(v.gate), int(v.passed), r(v.why))
-                              for v in c.flag_verdicts])
+            conn.executemany("INSERT OR REPLACE INTO flag_verdicts VALUES(?,?,?,?,?,?,?,?)",
+                             [(run_id, r(c.cell), r(v.flag), v.cls, r(v.gate), int(v.state == "passed"), r(v.why),
+                               v.state) for v in c.flag_verdicts])
         return run_id
 
 
@@ -184,9 +230,9 @@ def load_cell(db: str | Path, run_id: int, cell: str) -> CellRecord | None:
             (run_id, cell))]
         rec.metrics = [Metric(n, v, None if pp is None else tuple(json.loads(pp))) for n, v, pp in conn.execute(
             "SELECT name, value, per_prompt FROM metrics WHERE run_id=? AND cell=? ORDER BY name", (run_id, cell))]
-        rec.flag_verdicts = [FlagVerdict(f, c, g, bool(p), w) for f, c, g, p, w in conn.execute(
-            "SELECT flag, class, gate, passed, why FROM flag_verdicts WHERE run_id=? AND cell=? ORDER BY flag, gate",
-            (run_id, cell))]
+        rec.flag_verdicts = [FlagVerdict(f, c, g, bool(p), w, o or "") for f, c, g, p, w, o in conn.execute(
+            "SELECT flag, class, gate, passed, why, outcome FROM flag_verdicts WHERE run_id=? AND cell=? "
+            "ORDER BY flag, gate", (run_id, cell))]
         return rec
 
 
@@ -228,28 +274,62 @@ def gate_series(db: str | Path) -> list[tuple[int, str, int, int]]:
     return [(int(a), s, int(p or 0), int(f or 0)) for a, s, p, f in rows]
 
 
-def latest_flag_verdicts(db: str | Path) -> dict[str, dict[str, Any]]:
-    """flag → {run_id, cell, class, passed, gates: {gate: (passed, why)}} of the newest run that tested it."""
+def latest_flag_verdicts(db: str | Path, expected: Mapping[str, Sequence[str]] | None = None
+                         ) -> dict[str, dict[str, Any]]:
+    """flag → {run_id, cell, class, started, verdict, passed, gates: {gate: {outcome, why}}} of the newest run that
+    tested it. ``expected`` (flag → the gates its class runs, from the reader's registry) adds the gates that
+    left no row as ``missing``: the verdict is core.results.aggregate over every expected gate, never ``all()``
+    over the rows that happen to be there."""
+    expected = expected or {}
+    rows_of: dict[str, list[FlagVerdict]] = {}
     out: dict[str, dict[str, Any]] = {}
     with closing(connect(db)) as conn:
-        rows = conn.execute("SELECT v.run_id, v.cell, v.flag, v.class, v.gate, v.passed, v.why, r.started "
+        rows = conn.execute("SELECT v.run_id, v.cell, v.flag, v.class, v.gate, v.passed, v.why, v.outcome, r.started "
                             "FROM flag_verdicts v JOIN runs r ON r.id=v.run_id ORDER BY v.run_id DESC").fetchall()
-    for run_id, cell, flag, cls, gate, passed, why, started in rows:
+    for run_id, cell, flag, cls, gate, passed, why, outcome, started in rows:
         slot = out.get(flag)
         if slot is None:
-            slot = out[flag] = {"run_id": run_id, "cell": cell, "class": cls, "started": started, "gates": {}}
+            slot = out[flag] = {"run_id": run_id, "cell": cell, "class": cls, "started": started}
         if slot["run_id"] != run_id or slot["cell"] != cell:
             continue
-        slot["gates"][gate] = (bool(passed), why)
-    for slot in out.values():
-        slot["passed"] = all(p for p, _ in slot["gates"].values())
+        rows_of.setdefault(flag, []).append(FlagVerdict(flag, cls, gate, bool(passed), why, outcome or ""))
+    for flag, slot in out.items():
+        agg = aggregate_rows(rows_of[flag], expected.get(flag, ()))
+        slot.update(aggregate_dict(agg))
     return out
 
 
-def flag_verdicts_from_results(results: GateResults | None, cell: str = "") -> list[FlagVerdict]:
-    """The flag A/B verdicts of a gate run's results as FlagVerdict rows (pure); none without results."""
-    if results is None:
-        return []
-    return [FlagVerdict(f.flag, f.cls, v.gate, v.passed, v.why)
-            for f in sorted(results.flag_ab, key=lambda f: f.flag) for v in sorted(f.gates, key=lambda v: v.gate)]
+def aggregate_rows(rows: Sequence[FlagVerdict], expected: Sequence[str] = ()) -> Aggregate:
+    """One flag's stored rows (and the gates ``expected`` of it that left none, as missing) under the one rule."""
+    have = {v.gate for v in rows}
+    return aggregate([*(GateTally(v.gate, v.state, v.why) for v in rows),  # type: ignore[arg-type]
+                      *(GateTally(g, "missing", "no row in the history") for g in expected if g not in have)])
 
+
+def flag_aggregates(rows: Sequence[FlagVerdict]) -> dict[str, Aggregate]:
+    by: dict[str, list[FlagVerdict]] = {}
+    for v in rows:
+        by.setdefault(v.flag, []).append(v)
+    return {flag: aggregate_rows(vs) for flag, vs in by.items()}
+
+
+def aggregate_dict(agg: Aggregate) -> dict[str, Any]:
+    """An aggregate as the flags CLI and nightly.json print it."""
+    return {"verdict": agg.verdict, "passed": agg.passed, "label": agg.label(),
+            "gates": {t.gate: {"outcome": t.state, "why": t.why} for t in agg.gates}}
+
+
+def flag_verdicts_from_results(results: GateResults | None, cell: str = "",
+                               expected: Mapping[str, tuple[str, Sequence[str]]] | None = None) -> list[FlagVerdict]:
+    """One FlagVerdict row per expected gate of every flag the run tested or was asked to (pure). ``expected``:
+    flag → (class, the gates its class runs), from the registry of the run (the nightly's cell flags); a flag
+    in it that left no trace in the results is all ``missing``. Without results, only those."""
+    expected = dict(expected or {})
+    flags = list(dict.fromkeys([*(results.flags_seen() if results is not None else ()), *expected]))
+    out: list[FlagVerdict] = []
+    for flag in sorted(flags):
+        ab = results.flag(flag) if results is not None else None
+        cls, gates = expected.get(flag, (ab.cls if ab is not None else "", ()))
+        agg = (results or GateResults()).flag_aggregate(flag, gates)
+        out += [FlagVerdict(flag, cls, t.gate, t.state == "passed", t.why, t.state) for t in agg.gates]
+    return out

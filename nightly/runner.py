@@ -28,12 +28,19 @@ Each cell runs ``python -m pytest GATES -m gate --engine-profile P --flag F ... 
 DIR/junit.xml --per-prompt-metrics`` as a subprocess; its junit XML, results.json, per_prompt.json and report
 are collected, stored in the history DB (nightly.history), and compared with the cell's last green run:
 
-* a **gate regression**: a gate that passed in the baseline fails now;
+* a **gate regression**: a gate that passed in the baseline did not pass now, for any reason: failed, errored,
+  skipped, xfailed or not run at all (each named with its outcome); outcomes come from the cell's typed
+  results.json (junit writes an xfail as a skip), junit only for what results.json does not hold;
+* a **skip** while DS41_REQUIRE_ENGINES=1 is a finding of its own, baseline or not;
 * a **metric regression**: a per-prompt metric (mean KL_part of each engine record vs the oracle) whose
   paired difference (now − baseline, per prompt) has an upper 95% bootstrap bound above
   max(floor_abs, margin_rel · baseline mean) with Wilcoxon p < alpha — the §2.7 rule.
 
-Exit code: 0 all green; 1 at least one regression (named on stderr and in nightly.md); 2 failures without
+A flag's verdict in a cell is core.results.aggregate over every gate its class expects (the registry's), so an
+errored or missing flag gate is ERROR in the history, nightly.md and `ds41gate flags`, never ``pass``. A cell
+that is not green always has a finding that says why.
+
+Exit code: 0 all green; 1 at least one regression (named on stderr and in nightly.md); 3 failures without
 a green baseline to compare against (first run, new gates) or a cell that could not run.
 """
 
@@ -230,6 +237,21 @@ def load_config(path: str | os.PathLike) -> NightlyConfig:
     return cfg
 
 
+def flag_expectations(cfg: NightlyConfig, cell: Cell) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """flag → (class, the gates its class runs) for each flag of the cell, from the registry its pytest reads (the
+    shipped one, $DS41_FLAG_REGISTRY and the config's): what the cell's flag verdicts are aggregated over."""
+    from nightly.flags import FlagRegistryError, load_registry
+
+    if not cell.flags:
+        return {}
+    extra = [r if Path(r).is_absolute() else REPO_ROOT / r for r in cfg.registry]
+    try:
+        registry = load_registry(extra, {**os.environ, **cell.env})
+    except FlagRegistryError as exc:
+        raise NightlyConfigError(f"{cfg.path}: cell {cell.name!r}: {exc}") from None
+    return {f: (registry.get(f).cls, registry.get(f).effective_gates()) for f in cell.flags if f in registry}
+
+
 def check_cells(cfg: NightlyConfig) -> None:
     """Every cell's profile loads and every flag is registered, checked before any cell starts an engine: a typo
     is a configuration error, not a night of "new-failure" rows in the history."""
@@ -344,16 +366,39 @@ def _read_json(path: Path) -> dict:
         raise NightlyConfigError(f"{path}: unreadable JSON ({exc})") from None
 
 
-def collect_cell(cell: Cell, cell_dir: Path, pytest_exit: int, duration_s: float) -> H.CellRecord:
+def junit_id(nodeid: str) -> str:
+    """A pytest node id as junit names the case (``gates/test_x.py::Cls::test_y[p]`` → ``gates.test_x.Cls::test_y[p]``),
+    the id the history has always keyed gates by."""
+    path, *rest = nodeid.split("::")
+    return "::".join([".".join([path.removesuffix(".py").replace("/", "."), *rest[:-1]]), rest[-1]]) if rest else path
+
+
+def cell_outcomes(junit: Sequence[H.GateOutcome], results: GateResults | None) -> list[H.GateOutcome]:
+    """The cell's gate outcomes (pure): the typed results.json's for every gate node it holds (an xfail stays an
+    xfail, an error an error), junit's for test cases it does not hold (non-gate tests of the selection), and the
+    typed outcomes junit lost (a crash before junit was written)."""
+    typed = {junit_id(o.nodeid): o for o in (results.outcomes if results is not None else ())}
+    out = []
+    for g in junit:
+        o = typed.pop(g.gate, None)
+        out.append(g if o is None else dataclasses.replace(g, outcome=o.outcome,
+                                                           message=g.message or (o.detail or "")))
+    out += [H.GateOutcome(gid, o.outcome, 0.0, o.detail or "") for gid, o in typed.items()]
+    return out
+
+
+def collect_cell(cell: Cell, cell_dir: Path, pytest_exit: int, duration_s: float,
+                 expected_flags: Mapping[str, tuple[str, Sequence[str]]] | None = None) -> H.CellRecord:
     junit = cell_dir / "junit.xml"
-    gates = parse_junit(junit) if junit.exists() else []
+    results = _read_results(cell_dir / RESULTS_FILE)
+    gates = cell_outcomes(parse_junit(junit) if junit.exists() else [], results)
     if pytest_exit not in (0, 1) or not junit.exists():
         gates.append(H.GateOutcome("nightly::cell_ran", "error", duration_s,
                                    f"pytest exited {pytest_exit} (see {cell_dir / 'pytest.log'})"))
-    results = _read_results(cell_dir / RESULTS_FILE)
     per_prompt = _read_json(cell_dir / "per_prompt.json")
     return H.CellRecord(cell.name, cell.profile, cell.flags, pytest_exit, duration_s, str(cell_dir), gates,
-                        cell_metrics(results, per_prompt), H.flag_verdicts_from_results(results, cell.name))
+                        cell_metrics(results, per_prompt),
+                        H.flag_verdicts_from_results(results, cell.name, expected_flags))
 
 
 Runner = Callable[[list[str], Mapping[str, str], Path, float], int]
@@ -424,7 +469,7 @@ def scrub_cell_dir(cell_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str      # regression | new-failure | error | fixed | missing
+    kind: str      # regression | new-failure | skipped | flag | error | fixed
     cell: str
     name: str
     detail: str
@@ -433,28 +478,42 @@ class Finding:
         return f"[{self.kind}] {self.cell} :: {self.name} — {self.detail}"
 
 
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:300] if text else ""
+
+
 def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: RegressionRule,
-                 baseline_run: int | None = None) -> list[Finding]:
-    """Findings of one cell against its last green run (pure)."""
+                 baseline_run: int | None = None, require_engines: bool = False) -> list[Finding]:
+    """Findings of one cell against its last green run (pure). The outcome SETS are compared: a gate that passed
+    in the baseline and did not pass now -- failed, errored, skipped, xfailed or absent -- is a regression, named
+    with its outcome now. With ``require_engines`` (DS41_REQUIRE_ENGINES=1) a skip is a finding baseline or not.
+    A flag whose verdict (core.results.aggregate over its expected gates) is not PASS is a finding. A cell that is
+    not green gets a finding saying so when nothing else names it."""
     out: list[Finding] = []
     base_gates = {g.gate: g for g in baseline.gates} if baseline else {}
     ref = f"run {baseline_run}" if baseline_run is not None else "baseline"
     for g in current.gates:
         b = base_gates.get(g.gate)
+        passed_before = b is not None and b.outcome == "passed"
         if g.gate == "nightly::cell_ran" and g.failed:
             out.append(Finding("error", current.cell, g.gate, g.message))
-        elif g.failed and b is not None and b.outcome == "passed":
-            out.append(Finding("regression", current.cell, g.gate, f"passed in {ref}, {g.outcome} now: "
-                               + (g.message.splitlines()[0][:300] if g.message else "")))
+        elif passed_before and g.outcome != "passed":
+            out.append(Finding("regression", current.cell, g.gate,
+                               f"passed in {ref}, {g.outcome} now: {_first_line(g.message)}".rstrip(": ")))
         elif g.failed:
-            out.append(Finding("new-failure", current.cell, g.gate, (g.message.splitlines()[0][:300]
-                                                                     if g.message else g.outcome)))
+            out.append(Finding("new-failure", current.cell, g.gate, _first_line(g.message) or g.outcome))
+        elif g.outcome == "skipped" and require_engines:
+            out.append(Finding("skipped", current.cell, g.gate,
+                               f"skipped while DS41_REQUIRE_ENGINES=1: {_first_line(g.message)}".rstrip(": ")))
         elif b is not None and b.failed and g.outcome == "passed":
             out.append(Finding("fixed", current.cell, g.gate, f"{b.outcome} in {ref}, passes now"))
     now = {g.gate for g in current.gates}
     for gate, b in base_gates.items():
         if gate not in now and b.outcome == "passed":
-            out.append(Finding("missing", current.cell, gate, f"passed in {ref}, not run now"))
+            out.append(Finding("regression", current.cell, gate, f"passed in {ref}, not run now"))
+    for flag, agg in sorted(current.flag_aggregates().items()):
+        if not agg.passed:
+            out.append(Finding("flag", current.cell, flag, agg.label()))
     if baseline is not None:
         base_m = {m.name: m for m in baseline.metrics if m.per_prompt is not None}
         for m in current.metrics:
@@ -474,13 +533,26 @@ def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: Reg
     return out
 
 
+RED_KINDS = frozenset({"regression", "new-failure", "skipped", "flag", "error"})
+
+
 def exit_code(findings: Sequence[Finding]) -> int:
     kinds = {f.kind for f in findings}
     if "regression" in kinds:
         return EXIT_REGRESSION
-    if kinds & {"new-failure", "error"}:
+    if kinds & RED_KINDS:
         return EXIT_FAILURES
     return EXIT_GREEN
+
+
+def unexplained_red(cell: H.CellRecord, findings: Sequence[Finding]) -> Finding | None:
+    """A finding for a cell that is not green while no red finding names it (pytest exited non-zero with every
+    gate passed: a session hook failed the run), so a RED night always says why."""
+    if cell.green or any(f.cell == cell.cell and f.kind in RED_KINDS for f in findings):
+        return None
+    return Finding("error", cell.cell, "nightly::cell_green",
+                   f"the cell is not green (pytest exit {cell.pytest_exit}, {len(cell.gates)} gate outcome(s)) and no "
+                   f"gate names why: see {Path(cell.results_dir) / 'pytest.log'}")
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -549,16 +621,20 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
                 cell_dir.mkdir(parents=True, exist_ok=True)
                 os.replace(log, cell_dir / "pytest.log")
         scrub_cell_dir(cell_dir)
-        rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0)
+        rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0, flag_expectations(cfg, cell))
         echo(redact(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
                     f"{sum(not g.failed for g in rec.gates)}/{len(rec.gates)} gates passed"))
         records.append(rec)
     findings: list[Finding] = []
     baselines: dict[str, int | None] = {}
-    for rec in records:
+    for cell, rec in zip(cells, records):
         base = H.last_green_cell(db, rec.cell)
         baselines[rec.cell] = base[0] if base else None
-        findings += compare_cell(base[1] if base else None, rec, cfg.rule, base[0] if base else None)
+        require = {**os.environ, **cell.env}.get("DS41_REQUIRE_ENGINES") == "1"
+        found = compare_cell(base[1] if base else None, rec, cfg.rule, base[0] if base else None, require)
+        rec.red_findings = tuple(f.line() for f in found if f.kind in RED_KINDS)   # a red cell is no baseline
+        unexplained = unexplained_red(rec, found)
+        findings += found + ([unexplained] if unexplained else [])
     code = exit_code(findings)
     status = {EXIT_GREEN: "green", EXIT_REGRESSION: "regression"}.get(code, "red")
     if code == EXIT_GREEN and not all(r.green for r in records):
@@ -584,7 +660,9 @@ def summary_data(result: NightlyResult, cfg: NightlyConfig) -> dict[str, Any]:
                    "results_dir": c.results_dir,
                    "gates": [dataclasses.asdict(g) for g in c.gates],
                    "metrics": {m.name: m.value for m in c.metrics},
-                   "flag_verdicts": [dataclasses.asdict(v) for v in c.flag_verdicts]} for c in result.cells],
+                   "flag_verdicts": [{**dataclasses.asdict(v), "outcome": v.state} for v in c.flag_verdicts],
+                   "flag_aggregates": {flag: H.aggregate_dict(agg) for flag, agg in sorted(c.flag_aggregates().items())}}
+                  for c in result.cells],
         "findings": [dataclasses.asdict(f) for f in result.findings],
         "plots": [str(p) for p in result.plots],
     }
@@ -611,15 +689,25 @@ def render_markdown(data: Mapping[str, Any]) -> str:
             shown = report.name if not report_set_problems(report.parent) else "incomplete"
         lines.append(f"| {c['cell']} | {Path(c['profile']).name} | {' '.join(c['flags']) or '—'} | "
                      f"{passed}/{len(c['gates'])} | {c['baseline_run'] or '—'} | {c['duration_s']} | {shown} |")
-    verdicts = [(c["cell"], v) for c in data["cells"] for v in c["flag_verdicts"]]
-    if verdicts:
-        lines += ["", "## Flag verdicts", "", "| cell | flag | class | gate | verdict | why |", "|---|---|---|---|---|---|"]
-        for cell, v in verdicts:
-            why = str(v["why"]).replace("|", "\\|")[:200]
-            lines.append(f"| {cell} | {v['flag']} | {v['cls']} | {v['gate']} | {'pass' if v['passed'] else 'FAIL'} | {why} |")
+    if any(c.get("flag_aggregates") for c in data["cells"]):
+        # each flag's verdict over every gate its class expects, then each of those gates with how it ended
+        lines += ["", "## Flag verdicts", "", "| cell | flag | class | verdict | gate | outcome | why |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in data["cells"]:
+            classes = {v["flag"]: v["cls"] for v in c["flag_verdicts"]}
+            for flag, agg in c.get("flag_aggregates", {}).items():
+                cls = classes.get(flag, "")
+                lines.append(f"| {c['cell']} | {flag} | {cls} | **{agg['verdict']}** | all expected | — | "
+                             f"{_cell_text(agg['label'])} |")
+                for gate, g in agg["gates"].items():
+                    lines.append(f"| {c['cell']} | {flag} | {cls} | | {gate} | {g['outcome']} | {_cell_text(g['why'])} |")
     if data["plots"]:
         lines += ["", "## Trends", ""] + [f"![{Path(p).stem}](trends/{Path(p).name})" for p in data["plots"]]
     return "\n".join(lines) + "\n"
+
+
+def _cell_text(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")[:200]
 
 
 def write_summary(result: NightlyResult, cfg: NightlyConfig) -> None:

@@ -1,5 +1,7 @@
 """Verdict of the task-eval gate: the candidate fails a suite when a headline metric is lower than the
-baseline's and the exact McNemar p-value on the paired problems is below alpha (pure; no IO)."""
+baseline's and the exact McNemar p-value on the paired problems is below alpha (pure; no IO). Without a baseline
+nothing is judged: the verdict is None ("no baseline: not judged"), never a pass, whatever the scores (issue 35:
+every HumanEval score 0 was recorded as passed=true)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,19 @@ from typing import Sequence
 
 from evals.compare import HEADLINE, SuiteComparison
 
+NOT_JUDGED = (("no baseline: not judged (scores measured and reported; --eval-baseline DIR pairs them against "
+               "a known-good run)"),)
 
 
 @dataclass(frozen=True)
 class EvalGate:
-    passed: bool
+    passed: bool | None      # None: nothing to compare against, so no verdict (failures say why)
     failures: tuple[str, ...]
 
 
 def eval_gate(comparisons: Sequence[SuiteComparison], alpha: float) -> EvalGate:
+    if not comparisons:
+        return EvalGate(None, NOT_JUDGED)
     failures = []
     for c in comparisons:
         for m in c.metrics:

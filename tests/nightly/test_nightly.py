@@ -83,20 +83,21 @@ def test_compare_cell_gate_flips_and_metrics():
     cur = _cell({"g1": "failed", "g2": "passed", "g3": "passed", "g5": "error"},
                 [H.Metric("kl", 0.5, tuple(0.5 + 0.01 * i for i in range(12)))])
     kinds = {(f.kind, f.name) for f in N.compare_cell(base, cur, N.RegressionRule(), 4)}
-    assert kinds == {("regression", "g1"), ("fixed", "g3"), ("new-failure", "g5"), ("missing", "g4"),
+    # g4 passed in the baseline and did not run now: a regression like any other way of not passing (issue 35)
+    assert kinds == {("regression", "g1"), ("fixed", "g3"), ("new-failure", "g5"), ("regression", "g4"),
                      ("regression", "kl")}
     assert N.exit_code(N.compare_cell(base, cur, N.RegressionRule())) == N.EXIT_REGRESSION
     # noise-level metric changes and improvements are not regressions
     noisy = _cell({"g1": "passed"}, [H.Metric("kl", 0.1, tuple(0.1 + (0.001 if i % 2 else -0.001) for i in range(12)))])
-    assert N.compare_cell(base, noisy, N.RegressionRule()) == [N.Finding("missing", "c", "g2", "passed in baseline, not run now"),
-                                                               N.Finding("missing", "c", "g4", "passed in baseline, not run now")]
+    assert N.compare_cell(base, noisy, N.RegressionRule()) == [
+        N.Finding("regression", "c", g, "passed in baseline, not run now") for g in ("g2", "g4")]
     better = _cell({"g1": "passed", "g2": "passed", "g4": "passed"}, [H.Metric("kl", 0.01, tuple([0.01] * 12))])
     assert N.compare_cell(base, better, N.RegressionRule()) == []
     # no baseline: failures are new failures (exit 2), never regressions
     assert N.exit_code(N.compare_cell(None, cur, N.RegressionRule())) == N.EXIT_FAILURES
     with_none = _cell({}, [H.Metric("kl", 0.1, (None,) + tuple([0.1] * 11))])
     assert N.compare_cell(base, with_none, N.RegressionRule()) == [
-        N.Finding("missing", "c", g, "passed in baseline, not run now") for g in ("g1", "g2", "g4")]
+        N.Finding("regression", "c", g, "passed in baseline, not run now") for g in ("g1", "g2", "g4")]
     short = _cell({}, [H.Metric("kl", 0.1, (0.1,))])
     assert [f.kind for f in N.compare_cell(base, short, N.RegressionRule()) if f.name == "kl"] == ["error"]
 
