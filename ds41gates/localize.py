@@ -24,8 +24,15 @@ from typing import Any, Callable, Mapping, Sequence
 import typer
 
 from core.errors import UserError
-from core.localize import (DEFAULT_FALSE_ALARM, ORACLE_ALLOWANCE, LocalizeRecord, decide, greedy_differences, localize_sites,
-                           parse_key)
+from core.localize import (
+    DEFAULT_FALSE_ALARM,
+    ORACLE_ALLOWANCE,
+    LocalizeRecord,
+    decide,
+    greedy_differences,
+    localize_sites,
+    parse_key,
+)
 from core.redact import redact_data
 
 DEFAULT_PROFILE = "vllm-cpu-fp32"
@@ -331,7 +338,7 @@ def run_ab(profile: str, ids: Sequence[int], source: dict, work: Path, flags: Se
     if oracle_context:
         import numpy as np
 
-        from core.localize import metric_of, position_distances, kl_per_position
+        from core.localize import kl_per_position, metric_of, position_distances
 
         kind, model_dir, _ = oracle_for(profile)
         orc = _Oracle(kind, model_dir, "fp32")
@@ -461,6 +468,7 @@ def localize_cmd(
             raise UserError("localize: give --prompt or --prompt-file, not both")
         prompt = Path(prompt_file).read_text(encoding="utf-8")
     ids, source = prompt_ids(engine_profile, prompt, panel_item, panel, max_prompt_tokens)
+    check_layers(engine_profile, _layer_list(layers))
     if flag:
         if engine_flag or floor:
             raise UserError("localize --flag (A/B mode): --engine-flag and --floor belong to oracle mode; the base "

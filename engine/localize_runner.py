@@ -55,6 +55,7 @@ import time
 import traceback
 
 SITES = ("attn", "mlp", "resid")           # per decoder layer
+STREAM_SITES = ("attn_in", "attn_stream", "ffn_in", "indexer")   # DeepSeek-V4's, where a layer has them
 OUTER_SITES = ("embed", "final_norm", "logits")   # before layer 0 and after the last
 _ATTR = "_ds41_capture"
 ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
@@ -104,6 +105,43 @@ def outer_modules(model, layers_name: str) -> dict:
             if sub is not None and callable(sub) and type(sub).__name__ != "PPMissingLayer":
                 found[role] = (attr, sub)
                 break
+    return found
+
+
+def parent_of(model, layers_name: str):
+    return model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+
+
+def _install_stream_sites(layer, i: int, sites, keep, handles: list, parent) -> dict:
+    """DeepSeek-V4's own sites, where the layer has them (mHC layers): ``attn_in`` / ``ffn_in`` the sub-layer's
+    input (its hc_pre mix of the streams, normed: the attn_norm / ffn_norm output), ``attn_stream`` the streams
+    between attention and MoE (the attention's hc_post: the first of the layer's two mhc_post calls; the second
+    is the layer's output, ``resid``), ``indexer`` the compressed blocks each query selected (the model's shared
+    top-k index buffer as the layer's attention leaves it, -1 padded; compared as sets). The fused post+pre path
+    (tilelang, not on CPU) has no separate mhc_post call: there ``attn_stream`` is not captured."""
+    found = {}
+    for site, attr in (("attn_in", "attn_norm"), ("ffn_in", "ffn_norm")):
+        sub = getattr(layer, attr, None)
+        if site in sites and sub is not None:
+            handles.append(sub.register_forward_hook(lambda m, a, out, k=f"L{i}.{site}": keep(k, _first_tensor(out))))
+            found[site] = attr
+    post = getattr(layer, "mhc_post", None)
+    if "attn_stream" in sites and post is not None and not getattr(layer, "use_fused_mhc", False):
+        calls = {"n": 0}
+        handles.append(layer.register_forward_pre_hook(lambda m, a: calls.update(n=0)))
+
+        def after_post(m, a, out, k=f"L{i}.attn_stream"):
+            if calls["n"] == 0:
+                keep(k, _first_tensor(out))
+            calls["n"] += 1
+        handles.append(post.register_forward_hook(after_post))
+        found["attn_stream"] = "mhc_post (first call)"
+    attn = getattr(layer, "attn", None)
+    buf = getattr(parent, "topk_indices_buffer", None)
+    if "indexer" in sites and buf is not None and getattr(attn, "indexer", None) is not None:
+        handles.append(attn.register_forward_hook(
+            lambda m, a, out, k=f"L{i}.indexer": keep(k, buf[:_first_tensor(out).shape[0]])))
+        found["indexer"] = "topk_indices_buffer after attn"
     return found
 
 
@@ -198,6 +236,7 @@ def install(model, sites=SITES, layers=None) -> dict:
                     break
             else:
                 raise RuntimeError(f"{type(layer).__name__}: none of {ROLE_NAMES[role]} for site {role!r}")
+        names.update(_install_stream_sites(layer, i, sites, keep, handles, parent_of(model, name)))
     setattr(model, _ATTR, state)
     return {"layers_module": name, "n_layers": len(mods), "layer_class": type(mods[0]).__name__,
             "site_modules": names, "captured_layers": sorted(wanted), "hooked_layers": hooked,
@@ -299,7 +338,8 @@ def _site_order(key: str) -> tuple[int, int]:
     if key in OUTER_SITES:
         return {"embed": (-1, 0), "final_norm": (1 << 30, 0), "logits": (1 << 30, 1)}[key]
     layer, site = key[1:].split(".", 1)
-    return int(layer), SITES.index(site) if site in SITES else len(SITES)
+    order = ("attn_in", "indexer", "attn", "attn_stream", "ffn_in", "mlp", "resid")
+    return int(layer), order.index(site) if site in order else len(order)
 
 
 def _read_spill(path: str):
@@ -429,7 +469,7 @@ def run(request: dict) -> dict:
     llm, ignored = build_llm(request["engine_args"])
     report: dict = {"vllm": vllm.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "ignored_args": ignored, "load_s": time.perf_counter() - t0, "cases": {}}
-    sites = SITES + OUTER_SITES if request.get("sites") is None else tuple(request["sites"])   # [] = no hooks
+    sites = SITES + STREAM_SITES + OUTER_SITES if request.get("sites") is None else tuple(request["sites"])
     info = _merge([{"x": r} for r in llm.apply_model(functools.partial(install, sites=sites,
                                                                        layers=request.get("layers")))])["x"]
     report["model"] = info

@@ -97,9 +97,16 @@ def headline(rec: LocalizeRecord) -> str:
     if v.onset_step is not None:
         onset.append(f"at decode step {v.onset_step}")
     pos = ", ".join(f"{p.position} ({p.token_id} {p.text!r})" for p in v.positions[:4])
-    return (f"first divergent: {v.site} ({v.phase}; {' and '.join(onset) or 'onset n/a'}); distance/threshold "
-            f"{v.ratio_at_first:.3g} there, {before} at the stage before; growth to the last layer "
-            f"x{(v.growth_factor or 0):.3g}; worst positions {pos}")
+    there = (f"distance {s.worst:.3g} against a zero floor (the engine is bit-exact against itself)"
+             if (s := _named_site(rec)) is not None and s.threshold == 0.0 else f"distance/threshold {v.ratio_at_first:.3g}")
+    growth = "" if v.growth_factor is None else f"; growth to the last layer x{v.growth_factor:.3g}"
+    return (f"first divergent: {v.site} ({v.phase}; {' and '.join(onset) or 'onset n/a'}); {there} there, "
+            f"{before} at the stage before{growth}; worst positions {pos}")
+
+
+def _named_site(rec: LocalizeRecord):
+    v = rec.verdict
+    return next((s for s in rec.sites if s.phase == v.phase and s.name == v.site), None)
 
 
 def section(rec: LocalizeRecord, label: str = "") -> dict:

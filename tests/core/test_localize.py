@@ -10,9 +10,22 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from core.localize import (FORMAT, LocalizeError, LocalizeRecord, calibration, decide, greedy_differences,
-                           kl_per_position, localize_sites, parse_key, position_distances, set_distances,
-                           site_order, site_threshold, summary_rows)
+from core.localize import (
+    FORMAT,
+    LocalizeError,
+    LocalizeRecord,
+    calibration,
+    decide,
+    greedy_differences,
+    kl_per_position,
+    localize_sites,
+    parse_key,
+    position_distances,
+    set_distances,
+    site_order,
+    site_threshold,
+    summary_rows,
+)
 
 RNG = np.random.default_rng(0)
 N, D, LAYERS, V = 12, 32, 4, 50
@@ -117,7 +130,7 @@ def test_the_verdict_names_the_first_diverged_site_with_its_onset():
                 engine[k][5:] *= (1 + 1e-3)
             else:
                 engine[k] = engine[k] * (1 + 1e-3)
-    sites, rows, cal = localize_sites(engine, oracle, floor)
+    sites, rows, _ = localize_sites(engine, oracle, floor)
     texts = [f"t{i}" for i in _ids()]
     v = decide(sites, rows, _ids(), texts)
     assert (v.status, v.site, v.first_divergent_layer, v.first_divergent_module, v.phase) == \

@@ -90,3 +90,29 @@ def test_without_a_profile_an_engine_url_is_not_localized_and_a_failure_is_repor
     assert localize_failed_gate(_Config(), run, broken) is None
     assert "engine died" in run.report_sections[TITLE]["note"]
     assert GateResults.load(tmp_path).gate("localize").failures[0].endswith("engine died")
+
+
+def test_a_failed_flag_gate_is_localized_in_ab_mode_on_its_worst_prompt(tmp_path):
+    """--localize-on-fail on a flag A/B gate: run_ab with that flag, on the prompt where flag-on is furthest from
+    flag-off; the verdict lands in results.json (keyed by the flag) and the report."""
+    from ds41gates.localize_plugin import FLAG_TITLE, localize_failed_flag
+
+    off, on = _records()
+    run = GateRun(out_dir=tmp_path)
+    run.reference, run.engines = off, [("vllm-cpu-fp32", on)]
+    seen = {}
+
+    def runner(profile, ids, source, work, flags=()):
+        seen.update(profile=profile, ids=ids, source=source, flags=flags)
+        return {"flag": _fake_localize_record(len(ids))}
+
+    entry = localize_failed_flag(_Config(**{"--engine-profile": "vllm-cpu-fp32"}), run, "kv_cache_2g", off, on,
+                                 runner)
+    assert seen["flags"] == ["kv_cache_2g"] and seen["source"]["seq_id"] == "s1" == entry.evidence["seq_id"]
+    assert seen["ids"] == [int(t) for t in on.token_ids[on.seq_offsets[1]:on.seq_offsets[2]]]
+    got = next(g for g in GateResults.load(tmp_path).gates if g.gate == "localize" and g.flag == "kv_cache_2g")
+    assert got.evidence["verdict"]["site"] == "L1.mlp" and got.passed is None
+    assert (tmp_path / "localize-flag-kv_cache_2g" / "localize.json").exists()
+    assert "first divergent: L1.mlp" in run.report_sections[FLAG_TITLE.format(flag="kv_cache_2g")]["note"]
+    assert localize_failed_flag(_Config(), run, "x", off, None, runner) is None   # no flag-on record: said so
+    assert "not localized" in run.report_sections[FLAG_TITLE.format(flag="x")]["note"]

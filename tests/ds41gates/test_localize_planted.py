@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from core.localize import DEFAULT_FACTOR
-
 pytestmark = pytest.mark.engine
 
 PROFILE = "vllm-cpu-fp32"
@@ -49,13 +47,13 @@ def test_every_planted_fault_is_named_exactly_and_the_clean_engine_names_none(pl
     bad = [r for r in table if not r["exact"]]
     assert bad == [], f"named differently from planted: {bad}"
     for row in table[1:]:
-        assert row["phase"] == "prefill" and row["ratio_at_named"] > 10 * DEFAULT_FACTOR
-        # the layer before the named one is inside the floor (no earlier site moved)
-        assert row["ratio_layer_before"] is None or row["ratio_layer_before"] < DEFAULT_FACTOR
+        assert row["phase"] == "prefill" and row["ratio_at_named"] > 10
+        # the stage before the named one is inside its threshold (no earlier site moved)
+        assert row["ratio_layer_before"] is None or row["ratio_layer_before"] < 1
         # the engine itself says which module it perturbed
         suffix = "self_attn" if row["planted_module"] == "attn" else "mlp"
         assert row["plugin_target"] == f"model.layers.{row['planted_layer']}.{suffix}"
-    assert table[0]["plugin_target"] is None and table[0]["max_ratio"] < DEFAULT_FACTOR
+    assert table[0]["plugin_target"] is None and table[0]["max_ratio"] < 1 and table[0]["status"] == "clean"
     print(f"\nplanted-fault session: {len(cases)} cases in {wall:.1f} s")
 
 
@@ -65,13 +63,14 @@ def test_the_record_carries_the_positions_growth_and_both_phases(planted):
     v = rec.verdict
     assert rec.floor["precision"] == "fp64" and rec.oracle["precision"] == "fp32"
     assert rec.prompt["token_ids"] == ids and rec.prompt["decode_token_id"] == rec.engine["generated_ids"][0]
-    assert {s.phase for s in rec.sites} == {"prefill", "decode"} and len(rec.sites) == 2 * 30 * 3
-    assert v.positions and all(ids[p.position] == p.token_id and p.ratio > rec.factor for p in v.positions)
+    assert {s.phase for s in rec.sites} == {"prefill", "decode"} and len(rec.sites) == 2 * (30 * 3 + 3)
+    assert v.positions and all(ids[p.position] == p.token_id and p.ratio > 1 for p in v.positions)
     assert [g.layer for g in v.growth] == list(range(15, 30))
     # the decode step sees the same fault: its own first divergent site is the same
-    decode_first = min((s for s in rec.sites if s.phase == "decode" and s.diverged),
-                       key=lambda s: (s.layer, ("attn", "mlp", "resid").index(s.module)))
-    assert (decode_first.layer, decode_first.module) == (15, "mlp")
+    from core.localize import site_order
+
+    decode_first = min((s for s in rec.sites if s.phase == "decode" and s.diverged), key=lambda s: site_order(s.key))
+    assert (decode_first.layer, decode_first.module) == (15, "mlp") and v.onset_step == 1
 
 
 def test_the_fault_turned_on_by_the_plugins_environment_variables_is_named(planted):
@@ -100,7 +99,7 @@ def test_the_cli_writes_the_record_plot_and_summary(planted, tmp_path, monkeypat
     assert seen["profile"] == PROFILE and len(seen["ids"]) == 16 and seen["source"]["seq_id"] == ITEM
     assert seen["engine_env"] == ENV_FAULT and seen["decode"] is True and seen["layers"] is None
     data = json.loads((out / "localize.json").read_text())
-    assert data["format"] == "ds41-localize/1"
+    assert data["format"] == "ds41-localize/2"
     assert (data["verdict"]["first_divergent_layer"], data["verdict"]["first_divergent_module"]) == (7, "attn")
     assert (out / "localize.png").stat().st_size > 10_000 and (out / "localize-decode.png").exists()
     assert "| 7 |" in (out / "localize.md").read_text()
@@ -109,6 +108,7 @@ def test_the_cli_writes_the_record_plot_and_summary(planted, tmp_path, monkeypat
     assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "0,15,29"]) == 0
     assert seen["layers"] == [0, 15, 29]
     assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "x"]) == 2
+    assert main(["localize", "--out", str(out), "--prompt", "a b c", "--layers", "0,999"]) == 2   # out of range
 
 
 def test_every_capture_went_through_the_spill_one_site_at_a_time_and_none_is_left(planted):
@@ -121,8 +121,8 @@ def test_every_capture_went_through_the_spill_one_site_at_a_time_and_none_is_lef
     for name, rec in recs.items():
         calls = rec.engine["rows_per_call"]
         assert sum(calls) == len(rec.prompt["token_ids"]) + 1
-        assert rec.engine["spill_files"] == 30 * 3 * len(calls), name
+        assert rec.engine["spill_files"] == (30 * 3 + 3) * len(calls), name
         with safe_open(str(work / "captures" / f"{name}.safetensors"), framework="pt") as f:
-            assert len(list(f.keys())) == 2 * 30 * 3
+            assert len(list(f.keys())) == 2 * (30 * 3 + 3)
     assert sorted(p.name for p in (work / "captures").iterdir()) == sorted(f"{n}.safetensors" for n in recs)
     assert not (work / "oracle").exists()
