@@ -6,6 +6,9 @@
   (``python -m exllamav3.conversion.convert_model -b N -hb 16 -cr 16 -cc 256``: head kept at 16 bits, a small
   calibration set), written once into ``$DS41_CACHE/models/`` (temp folder + rename, so a folder that exists is
   complete). Needs exllamav3 and a CUDA device (the converter runs the model);
+* ``dsv4-tiny-bf16-dspark``: the unquantized form with the DSpark drafter (``mtp.*``, oracle.dsv41.tiny_v4.TinyDSpark)
+  written after the trunk from its own seed: its trunk is bit for bit ``dsv4-tiny-bf16``'s
+  (tests/oracle/test_dsv4_dspark.py), so the same reference judges it; the bf16 profile's ``dspark`` flag serves it;
 * :func:`oracle_pack` translates an EXL3 folder into the pack the DeepSeek oracle layers over the release
   checkpoint (``oracle.dsv41.exllamav3_pack``), so the KL gate's reference decodes the very EXL3 weights served.
 
@@ -27,16 +30,17 @@ from .models import cache_root
 
 CONVERT = ["-hb", "16", "-cr", "16", "-cc", "256"]
 _EXL3 = re.compile(r"^dsv4-tiny-exl3-b(?P<bits>[2-8](?:\.5)?)$")
-NAMES = ("dsv4-tiny-bf16", "dsv4-tiny-exl3-b4", "dsv4-tiny-exl3-b3", "dsv4-tiny-exl3-b2")
+NAMES = ("dsv4-tiny-bf16", "dsv4-tiny-bf16-dspark", "dsv4-tiny-exl3-b4", "dsv4-tiny-exl3-b3", "dsv4-tiny-exl3-b2")
+WITH_DRAFTER = "dsv4-tiny-bf16-dspark"
 
 
 def bits_of(name: str) -> float | None:
     """Bits per weight of an EXL3 model name, None for the unquantized one; ValueError for an unknown name."""
-    if name == "dsv4-tiny-bf16":
+    if name in ("dsv4-tiny-bf16", WITH_DRAFTER):
         return None
     m = _EXL3.match(name)
     if not m:
-        raise ValueError(f"unknown exllamav3 model {name!r}: expected dsv4-tiny-bf16 or dsv4-tiny-exl3-b<N> "
+        raise ValueError(f"unknown exllamav3 model {name!r}: expected dsv4-tiny-bf16[-dspark] or dsv4-tiny-exl3-b<N> "
                          f"(N in 2..8), e.g. {', '.join(NAMES)}")
     return float(m["bits"])
 
@@ -46,6 +50,8 @@ def model_dir(name: str, cache: Path | None = None, log=None) -> Path:
     from .dsv4_model import dsv4_tiny_dir, ensure_dsv4_tiny_bf16
 
     bits = bits_of(name)
+    if name == WITH_DRAFTER:
+        return _bf16_with_drafter(cache)
     bf16 = ensure_dsv4_tiny_bf16(cache)
     if bits is None:
         return bf16
@@ -70,6 +76,28 @@ def model_dir(name: str, cache: Path | None = None, log=None) -> Path:
         if dest.exists():
             shutil.rmtree(dest)
         (tmp / "out").rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _bf16_with_drafter(cache: Path | None) -> Path:
+    """The unquantized tiny V4 with its DSpark drafter, written once beside the plain one (temp folder + rename)."""
+    from oracle.dsv41.tiny_v4 import TinyDSpark, write_tiny_v4_checkpoint
+
+    from .dsv4_model import DEFAULT_SEED, dsv4_tiny_dir
+
+    base = dsv4_tiny_dir(cache, expert_dtype="bf16")
+    dest = base.parent / f"{base.name}-dspark"
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write_tiny_v4_checkpoint(tmp / "ck", seed=DEFAULT_SEED, quantized=False, dspark=TinyDSpark())
+        if dest.exists():
+            shutil.rmtree(dest)
+        (tmp / "ck").rename(dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

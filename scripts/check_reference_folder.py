@@ -32,10 +32,10 @@ V4_CODE_COMMIT = "0ec3a03c2fc34f29b2e72696ceaed9ae7a373aeb"
 # model.py of the tt-metal copy imports its siblings package-relatively and calls the kernel port kernel_cpu;
 # upstream imports them as top-level modules and the kernel as `kernel`.
 _UPSTREAM_IMPORTS = (
-    (re.compile(rb"^from \.engram import", re.M), b"from engram import"),
-    (re.compile(rb"^from \.image_processor import", re.M), b"from image_processor import"),
-    (re.compile(rb"^from \.kernel_cpu import", re.M), b"from kernel import"),
-    (re.compile(rb"^from \.vision import", re.M), b"from vision import"),
+    (re.compile(rb"^from \.engram import", re.MULTILINE), b"from engram import"),
+    (re.compile(rb"^from \.image_processor import", re.MULTILINE), b"from image_processor import"),
+    (re.compile(rb"^from \.kernel_cpu import", re.MULTILINE), b"from kernel import"),
+    (re.compile(rb"^from \.vision import", re.MULTILINE), b"from vision import"),
 )
 
 

@@ -156,4 +156,4 @@ class DSparkV4:
         return DraftOutput(out, logits, conf)
 
 
-__all__ = ["DSparkV4", "DSparkStageV4", "DSparkAttentionV4", "DSparkCacheV4"]
+__all__ = ["DSparkAttentionV4", "DSparkCacheV4", "DSparkStageV4", "DSparkV4"]

@@ -166,7 +166,7 @@ class TinyDSpark:
     noise_token_id: int | None = None  # None: the last vocabulary id
     seed: int | None = None  # None: the checkpoint's seed + DSPARK_SEED_OFFSET
 
-    def problems(self, cfg: "TinyV4Config") -> list[str]:
+    def problems(self, cfg: TinyV4Config) -> list[str]:
         p = []
         if self.stages < 1 or self.block_size < 1 or self.markov_rank < 1:
             p.append(f"stages {self.stages}, block_size {self.block_size}, markov_rank {self.markov_rank} must be >= 1")
@@ -176,7 +176,7 @@ class TinyDSpark:
             p.append(f"noise_token_id {self.noise_token_id} outside the vocabulary")
         return p
 
-    def noise(self, cfg: "TinyV4Config") -> int:
+    def noise(self, cfg: TinyV4Config) -> int:
         return cfg.vocab_size - 1 if self.noise_token_id is None else self.noise_token_id
 
 

@@ -47,7 +47,7 @@ def _tensors(folder):
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118 (safe_open is no dict)
     return out
 
 
@@ -244,12 +244,15 @@ def test_reference_bf16_drafts_are_finite_and_near_fp32(ckpts, fp32_run):
     is held to the fp32 drafter within the bf16 noise this model's trunk itself shows on the same calls (its
     last-position logits, relative max difference), and must not be bit-equal to it. Both drafters get the fp32
     trunk's seed tokens, and block position 0 is compared (later positions follow each side's own markov chain)."""
-    m32, _, ids, drafts32, trunk32 = fp32_run
+    _, _, ids, drafts32, trunk32 = fp32_run
     m, _ = _model(ckpts[1], "reference-bf16")
     trunk: list = []
     seeds = iter([d.ids[:, 0] for d in drafts32])
     drafts = _run(m, ids, lambda tok, taps, s, st: m.mtp.forward_spec(next(seeds), taps, s, st), trunk)
-    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
     draft_diff = [rel(d.logits[:, 0], d32.logits[:, 0]) for d, d32 in zip(drafts, drafts32)]
     trunk_diff = [rel(t, t32) for t, t32 in zip(trunk, trunk32)]
     for d in drafts:
