@@ -315,6 +315,8 @@ class GateSession:
         sections = run.report_sections
         if run.results.outcomes:
             sections[OUTCOMES_TITLE] = _outcomes_section(run.results)
+        if run.results.flags_seen():   # rebuilt at the end: a flag gate that errored after the last verdict is named
+            sections.update(_flag_ab_section(run.results, self.config))
         self.report_paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
                                          plots=run.plots, errored=[o.gate for o in run.results.errored()],
                                          coverage=run.results.coverage)
@@ -330,6 +332,18 @@ def _outcomes_section(results: GateResults) -> dict:
     rows = [{"gate": o.gate, "outcome": o.outcome.upper() if o.outcome == "error" else o.outcome,
              "phase": o.phase, "detail": o.detail or ""} for o in results.outcomes]
     return {"rows": rows, "note": note}
+
+
+def _flag_ab_section(results: GateResults, config: pytest.Config) -> dict:
+    """The flag A/B section: each flag's verdict over every gate the registry expects of it (core.results.aggregate)."""
+    from gates.lib.flag_ab import REPORT_NOTE, REPORT_TITLE, expected_gates, report_rows
+    from nightly.flags import FlagRegistryError, load_registry
+
+    try:
+        expected = expected_gates(load_registry(config.getoption("--flag-registry")))
+    except FlagRegistryError:
+        expected = {}   # configure refused a broken registry already; the recorded gates still show
+    return {REPORT_TITLE: {"rows": report_rows(results, expected), "note": REPORT_NOTE}}
 
 
 def _redact_report(report) -> None:

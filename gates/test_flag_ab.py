@@ -140,8 +140,8 @@ def entry(flag_name, flag_registry):
 def _settle(verdict: FlagGateVerdict, entry, gate_results, profile: str) -> None:
     """Record the verdict (results.json's flag table and the report section), then pass or fail the test on it."""
     gate_results.add_flag_verdict(entry.name, entry.cls, entry.kind, profile, verdict)
-    gate_results.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(gate_results.results.flag_ab),
-                             verdicts.REPORT_NOTE)
+    gate_results.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(
+        gate_results.results, {entry.name: entry.effective_gates()}), verdicts.REPORT_NOTE)
     assert verdict.passed, f"flag {entry.name} ({entry.cls}) gate {verdict.gate}: {verdict.why}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from core.results import FlagABResult, FlagGateVerdict
+from core.results import FlagGateVerdict, GateResults
 from nightly.flag_ab import BitwiseResult, PairedVerdict, SpeedVerdict
 
 REPORT_TITLE = "Flag A/B verdicts"
@@ -62,9 +62,24 @@ def speed_verdict(sv: SpeedVerdict) -> FlagGateVerdict:
     return FlagGateVerdict("speed", sv.passed, sv.reason, ratio=sv.ratio, evidence=sv.as_dict())
 
 
-def report_rows(flags: Iterable[FlagABResult]) -> list[dict[str, str]]:
-    return [{"flag": f.flag, "class": f.cls, "gate": v.gate, "verdict": "pass" if v.passed else "FAIL", "why": v.why}
-            for f in flags for v in f.gates]
+def report_rows(results: GateResults, expected: Mapping[str, Sequence[str]]) -> list[dict[str, str]]:
+    """Per flag the run tested: its verdict over every gate its class expects (core.results.aggregate: an errored,
+    skipped or missing gate is named, never left out), then each of those gates with how it ended."""
+    rows = []
+    for flag in results.flags_seen():
+        ab = results.flag(flag)
+        cls = ab.cls if ab is not None else ""
+        agg = results.flag_aggregate(flag, expected.get(flag, ()))
+        rows.append({"flag": flag, "class": cls, "gate": "(all expected)", "verdict": agg.verdict,
+                     "why": agg.label()})
+        rows += [{"flag": flag, "class": cls, "gate": t.gate, "verdict": t.state if t.state != "passed" else "pass",
+                  "why": t.why} for t in agg.gates]
+    return rows
+
+
+def expected_gates(registry) -> dict[str, tuple[str, ...]]:
+    """flag → the gates its class (or its own list) runs, for every flag of a nightly.flags.Registry."""
+    return {e.name: e.effective_gates() for e in registry}
 
 
 def greedy_prompts(sequences: Iterable, per_domain: int, max_tokens: int) -> list[tuple[str, tuple[int, ...]]]:

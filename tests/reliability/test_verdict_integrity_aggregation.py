@@ -333,3 +333,14 @@ def test_a_version_1_history_is_migrated_in_place(tmp_path):
         assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(H.SCHEMA_VERSION),)
         conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'xfailed', 0, '')")   # schema 2 holds an xfail
     conn.close()
+
+
+def test_the_session_reports_flag_section_names_every_expected_gate():
+    """The gate session's report (section "Flag A/B verdicts", rebuilt at the end of the session) lists each
+    flag's verdict and every gate its class expects, the errored one included (it listed only recorded verdicts)."""
+    from gates.lib.flag_ab import report_rows
+
+    rows = report_rows(_flag_run_with_an_errored_gate(), {FLAG: ("bitwise_panel", "bitwise_greedy")})
+    assert rows[0]["gate"] == "(all expected)" and rows[0]["verdict"] == "ERROR"
+    assert {r["gate"]: r["verdict"] for r in rows[1:]} == {"bitwise_panel": "pass", "bitwise_greedy": "error"}
+    assert "HTTP 500" in rows[-1]["why"]
