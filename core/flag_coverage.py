@@ -12,7 +12,7 @@ Pure functions over core.coverage.Coverage; the pytest plugin calls them once pe
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from core.coverage import MECHANISM_NAMES, Coverage
 from core.depth import BUCKET_LABELS

@@ -287,7 +287,13 @@ class GateResults:
                                          node.detail or f"test {node.outcome} without recording a verdict"))
             else:
                 tallies.append(GateTally(gate, "missing", "never ran: no verdict and no test outcome"))
-        return aggregate(tallies)
+        verdict = aggregate(tallies)
+        coverage = self.flag_coverage(flag)
+        if verdict.passed and coverage is not None and coverage.verdict == "not exercised":
+            # the coverage rule (core/flag_coverage.py): gates that passed where the flag's code never ran vouch
+            # for nothing; a FAIL or an ERROR stands as it is
+            return Aggregate("NOT EXERCISED", (*verdict.gates, GateTally("coverage", "missing", coverage.why)))
+        return verdict
 
     def _flag_nodes(self):
         for o in self.outcomes:

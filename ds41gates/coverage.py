@@ -4,17 +4,19 @@ verdict of every flag the session is about (``--flag`` A/Bs and ``--engine-flag`
 Gates that score an oracle reference add it with `add_reference` (the KL panel's engine record does so for the
 panel reference; the long-context gate for its own); at the end of the session `judge_session` merges what they
 reached, writes the typed `FlagCoverage` of each flag into results.json, a ``flag_coverage`` gate entry for each
-flag that declares mechanisms (a NOT EXERCISED flag is a failed entry: never PASS), a ``coverage`` verdict into the
-flag's A/B when it has one, and the two report tables (mechanism x depth bucket, and flag by flag).
+flag that declares mechanisms (a NOT EXERCISED flag is a failed entry: never PASS; its A/B's aggregate,
+`GateResults.flag_aggregate`, reads the same verdict and says NOT EXERCISED where its gates passed), and the two
+report tables (mechanism x depth bucket, and flag by flag).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from core.coverage import coverage_of_record
 from core.flag_coverage import coverage_rows, judge_flag, merge, verdict_rows
-from core.results import FlagGateVerdict, GateEntry
+from core.results import GateEntry
 
 COVERAGE_TITLE = "Mechanism coverage: scored positions where each DeepSeek mechanism was live, per depth bucket"
 FLAGS_TITLE = "Flag coverage: a flag whose mechanisms no scored position reached is NOT EXERCISED, never PASS"
@@ -56,10 +58,6 @@ def judge_session(run: Any, registry: Any, flags: Sequence[str], profile: str = 
                           metrics={"mechanisms_missing": float(len(verdict.missing))},
                           evidence={"mechanisms": list(verdict.mechanisms), "reached": list(verdict.reached),
                                     "missing": list(verdict.missing), "sources": list(verdict.sources)}))
-        ab = run.results.flag(flag)
-        if ab is not None:
-            run.add_flag_verdict(flag, ab.cls, ab.kind, ab.profile,
-                                 FlagGateVerdict("coverage", ok, verdict.why))
     if verdicts:
         run.add_section(FLAGS_TITLE, verdict_rows(verdicts),
                         "mechanisms: the flags registry's (nightly/flags.toml); reached over the run's scored "
