@@ -344,3 +344,23 @@ def test_the_session_reports_flag_section_names_every_expected_gate():
     assert rows[0]["gate"] == "(all expected)" and rows[0]["verdict"] == "ERROR"
     assert {r["gate"]: r["verdict"] for r in rows[1:]} == {"bitwise_panel": "pass", "bitwise_greedy": "error"}
     assert "HTTP 500" in rows[-1]["why"]
+
+
+REAL_RESULTS = REPO / "tests" / "data" / "nightly" / "results-vllm-cpu-fp32.json"
+
+
+def test_on_a_real_gate_runs_results_an_xfail_after_a_pass_is_a_named_regression(tmp_path):
+    """The results.json a real default gate run wrote (35 passed, 2 xfailed kernels) is a green night; the same
+    run with the prefix-cache gate xfailed "not applicable" (what an engine change that turns caching off did) is
+    RED, naming the gate."""
+    real = GateResults.load(REAL_RESULTS)
+    db, out, cfg = tmp_path / "h.sqlite", tmp_path / "runs", _config(tmp_path)
+    first = N.run_nightly(cfg, db, out, runner=_stand_in(real, 0), echo=lambda s: None)
+    assert first.exit_code == N.EXIT_GREEN, first.findings
+    tonight = real.with_outcome(GateOutcome(PREFIX, "test_prefix_cache", "xfailed", "call",
+                                            "XFailed: prefix cache gate not applicable on vllm-cpu-fp32"))
+    second = N.run_nightly(cfg, db, out, runner=_stand_in(tonight, 0), echo=lambda s: None)
+    assert second.exit_code == N.EXIT_REGRESSION and second.status == "regression"
+    assert [(f.kind, f.name) for f in second.findings] == [
+        ("regression", "gates.test_prefix_cache::test_prefix_cache")]
+    assert "xfailed now" in second.findings[0].detail
