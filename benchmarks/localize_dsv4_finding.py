@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from core.atomic import write_json_atomic  # noqa: E402
-from core.localize import compare_site, decide, localize_sites  # noqa: E402
+from core.localize import ORACLE_ALLOWANCE, decide, localize_sites  # noqa: E402
 from ds41gates.localize import _phased, _to_numpy, oracle_for, prompt_ids, token_texts  # noqa: E402
 from dsv4_oracle_vs_transformers import emulation_off  # noqa: E402
 from engine.localize import LazyCaptures, engine_invocation, run_engine_captures  # noqa: E402
@@ -55,28 +55,29 @@ def main() -> int:
         texts = token_texts(PROFILE, full)
         out = {"profile": PROFILE, "prompt": source, "n_tokens": len(ids), "decode_token_id": tok, "variants": {}}
         for variant, o in acts.items():
-            sites, per_pos = localize_sites(engine, o["fp32"], o["reference-bf16"], to_numpy=_to_numpy)
+            sites, per_pos, _ = localize_sites(engine, o["fp32"], o["reference-bf16"], allowance=ORACLE_ALLOWANCE,
+                                               to_numpy=_to_numpy)
             v = decide(sites, per_pos, full, texts)
             out["variants"][variant] = {
-                "verdict": {"first_divergent_layer": v.first_divergent_layer,
-                            "first_divergent_module": v.first_divergent_module, "max_ratio": v.max_ratio,
+                "verdict": {"status": v.status, "site": v.site, "max_ratio": v.max_ratio,
                             "max_ratio_site": v.max_ratio_site},
-                "sites": {s.key: {"rel_mean": s.rel_mean, "floor_rel_mean": s.floor_rel_mean, "ratio": s.ratio,
+                "sites": {s.key: {"rel_mean": s.mean, "floor_rel_mean": s.floor_mean, "ratio": s.ratio,
                                   "cos_mean": s.cos_mean} for s in sites}}
         # the activation QDQ's own effect: the oracle without it against the oracle with it
         qdq = {}
-        for k in acts["full"]["fp32"]:
-            s, _ = compare_site(k, _to_numpy(acts["act_off"]["fp32"][k]), _to_numpy(acts["full"]["fp32"][k]),
-                                _to_numpy(acts["full"]["reference-bf16"][k]))
-            qdq[k] = {"rel_mean": s.rel_mean, "ratio_to_floor": s.ratio}
+        sites, _, _ = localize_sites(acts["act_off"]["fp32"], acts["full"]["fp32"], acts["full"]["reference-bf16"],
+                                     allowance=ORACLE_ALLOWANCE, to_numpy=_to_numpy)
+        for s in sites:
+            qdq[s.key] = {"rel_mean": s.mean, "ratio_to_floor": s.ratio}
         out["qdq_effect"] = qdq
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     path = ROOT / "benchmarks" / "results" / "localize_dsv4_finding.json"
     write_json_atomic(path, out)
     print(f"{'site':18s} {'eng-vs-oracle':>13s} {'floor':>9s} {'ratio':>6s} | {'eng-vs-noQDQ':>12s} {'floor':>9s} "
           f"{'/floor':>6s} | {'QDQ effect':>10s}")
-    for k in sorted(qdq, key=lambda k: (k.split("/")[0] != "prefill", int(k.split("/L")[1].split(".")[0]),
-                                        ("attn", "mlp", "resid").index(k.rsplit(".", 1)[1]))):
+    from core.localize import site_order
+
+    for k in sorted(set(qdq) & set(out["variants"]["full"]["sites"]), key=site_order):
         f, n = out["variants"]["full"]["sites"][k], out["variants"]["act_off"]["sites"][k]
         print(f"{k:18s} {f['rel_mean']:13.3e} {f['floor_rel_mean']:9.2e} {f['ratio']:6.2f} | {n['rel_mean']:12.3e} "
               f"{n['floor_rel_mean']:9.2e} {n['rel_mean'] / f['floor_rel_mean']:6.2f} | {qdq[k]['rel_mean']:10.3e}")

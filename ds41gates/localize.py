@@ -10,7 +10,7 @@ engine/localize_runner.py, the engine's own venv, one model load for every case)
 model (transformers for SmolLM2, the DeepSeek oracle for vllm-cpu-dsv4) captures the same sites in fp32, and its
 own run at the floor precision (fp64 for an fp32 engine, bf16 / reference-bf16 otherwise) gives the per-layer
 noise floor (oracle/capture.py); core/localize.py compares them and decides; reports/localize.py draws.
-Writes DIR/localize.json (core.localize.LocalizeRecord, ``ds41-localize/1``), DIR/localize.png (prefill) and,
+Writes DIR/localize.json (core.localize.LocalizeRecord, ``ds41-localize/2``), DIR/localize.png (prefill) and,
 with a decode step, DIR/localize-decode.png, and DIR/localize.md.
 """
 
