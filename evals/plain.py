@@ -16,8 +16,12 @@ wire:
   not subject to Python's 4300-digit limit on decimal conversion, which a big factorial passes).
 
 Decoding refuses anything else: JSON's ``NaN`` / ``Infinity`` constants, duplicate keys, an object that is not
-one of the tags, an unhashable set element or dict key, nesting deeper than `MAX_DEPTH`, a line that is not
-UTF-8. It rebuilds values from builtin types only, so comparing decoded values (``==`` in the harness) runs
+one of the tags, an unhashable set element or dict key, more than `MAX_SAME_HASH` set elements or dict keys
+with one hash value, nesting deeper than `MAX_DEPTH`, a line that is not UTF-8. The hash rule bounds the time
+as well as the size of a decode: ints that differ by multiples of 2**61 - 1 (and floats, tuples of them) all
+hash alike, and building a set of n of them takes time quadratic in n (120,000 took two minutes of the
+harness's CPU, outside the sandbox's deadline); a set an honest program returns has no such pile-up.
+Decoding rebuilds values from builtin types only, so comparing decoded values (``==`` in the harness) runs
 no code of the program that produced them.
 
 The module is standard library only and is copied as text into every sandbox (`SOURCE`), so the drivers there
@@ -32,6 +36,7 @@ import re
 from pathlib import Path
 
 MAX_DEPTH = 100
+MAX_SAME_HASH = 32              # set elements / dict keys sharing one hash value (see the module docstring)
 BIG_INT_BITS = 10_000           # about 3,000 decimal digits; larger ints cross as hexadecimal
 _TAGS = ("tuple", "set", "frozenset", "dict", "float", "int", "bytes", "complex")
 _HEX = re.compile(r"-?0x[0-9a-f]+")
@@ -113,21 +118,36 @@ def decode(obj, depth=0):
         return float(payload)
     if tag not in _TAGS or type(payload) is not list:
         raise NotPlain(f"unknown tag {str(tag)[:40]!r} or its payload is not a list")
-    try:
-        if tag == "tuple":
-            return tuple(decode(v, depth + 1) for v in payload)
-        if tag == "set":
-            return {decode(v, depth + 1) for v in payload}
-        if tag == "frozenset":
-            return frozenset(decode(v, depth + 1) for v in payload)
-        pairs = []
-        for pair in payload:
-            if type(pair) is not list or len(pair) != 2:
-                raise NotPlain("a dict entry must be a [key, value] pair")
-            pairs.append((decode(pair[0], depth + 1), decode(pair[1], depth + 1)))
-        return dict(pairs)
-    except TypeError as e:      # an unhashable set element or dict key
-        raise NotPlain(f"{tag}: {e}") from None
+    if tag == "tuple":
+        return tuple(decode(v, depth + 1) for v in payload)
+    if tag in ("set", "frozenset"):
+        items = [decode(v, depth + 1) for v in payload]
+        _no_hash_pile_up(tag, items)
+        return set(items) if tag == "set" else frozenset(items)
+    pairs = []
+    for pair in payload:
+        if type(pair) is not list or len(pair) != 2:
+            raise NotPlain("a dict entry must be a [key, value] pair")
+        pairs.append((decode(pair[0], depth + 1), decode(pair[1], depth + 1)))
+    _no_hash_pile_up(tag, [k for k, _ in pairs])
+    return dict(pairs)
+
+
+def _no_hash_pile_up(tag, keys):
+    """`NotPlain` for an unhashable key, or for more than MAX_SAME_HASH keys with one hash value, before any
+    set or dict is built of them: counting by hash value is linear (the counts' own keys, hash values, hash
+    to themselves and so are all distinct)."""
+    counts = {}
+    for k in keys:
+        try:
+            h = hash(k)
+        except TypeError as e:
+            raise NotPlain(f"{tag}: {e}") from None
+        n = counts.get(h, 0) + 1
+        if n > MAX_SAME_HASH:
+            raise NotPlain(f"{tag}: more than {MAX_SAME_HASH} elements share one hash value (a hash-flooding "
+                           "collection: decoding it would take quadratic time)")
+        counts[h] = n
 
 
 def _no_constant(name):

@@ -7,8 +7,9 @@ The boundary (docs/EVALS.md, "The sandbox"):
   PID namespace (the harness and every other host process are invisible, so ``os.kill`` of the parent
   reaches only the sandbox's own init and ends the sandbox), own IPC/UTS/cgroup/user namespaces;
 * file system: ``/usr`` read-only (the system interpreter and its standard library), the root
-  read-only, one fresh temp folder as the only writable place (mounted at ``/sandbox`` and ``/tmp``);
-  the harness checkout, the cache and ``/root`` are not mounted at all;
+  read-only, one size-capped tmpfs as the only writable place (``/sandbox``, with ``/tmp`` a link to it:
+  `Limits.disk_mb` in all, so many files cannot add up past it either), the program and its files bound
+  into it read-only; the harness checkout, the cache and ``/root`` are not mounted at all;
 * rlimits set before bubblewrap starts (inherited, hard = soft, unraisable without capabilities):
   CPU seconds, address space, file size, and the number of processes. As root the sandbox runs under an
   unprivileged uid of its own, because the kernel never applies RLIMIT_NPROC to uid 0;
@@ -57,6 +58,7 @@ class Limits:
     memory_mb: int = 1024       # address space
     processes: int = 32         # RLIMIT_NPROC for the sandbox's uid
     file_mb: int = 16           # largest file the code may write
+    disk_mb: int = 64           # all the files it may write together (the size of its tmpfs)
     output_mb: int = 4          # per stream (stdout, stderr): bytes held that the harness has not taken yet
 
 
@@ -166,10 +168,14 @@ def command(workdir: Path, argv: list[str], limits: Limits, uid: int | None) -> 
         cmd += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     cmd += [_tool("prlimit"), f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb * mb}",
             f"--fsize={limits.file_mb * mb}", f"--nproc={limits.processes}", "--core=0", "--"]
+    # the writable place is a tmpfs of disk_mb (RLIMIT_FSIZE caps one file only: 640 MB were written in 4 s
+    # as many files on the host's disk); the harness's files are bound into it read-only
+    inputs = [a for p in sorted(workdir.iterdir()) for a in ("--ro-bind", str(p), f"/sandbox/{p.name}")]
     cmd += [_bwrap(), "--unshare-all", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
-            "--bind", str(workdir), "/sandbox", "--bind", str(workdir), "/tmp", "--remount-ro", "/",
+            "--size", str(limits.disk_mb * mb), "--perms", "0700", "--tmpfs", "/sandbox", *inputs,
+            "--symlink", "/sandbox", "/tmp", "--remount-ro", "/",
             "--chdir", "/sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/sandbox",
             "--setenv", "LANG", SANDBOX_ENV["LANG"], "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
     return cmd + argv
