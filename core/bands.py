@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.depth import BUCKET_LABELS
 from core.domains import DOMAINS
 from core.errors import UserError
 from core.metrics import GroupReport, PanelMetrics
@@ -75,9 +76,10 @@ def _band(path: Path, where: str, values: object) -> Band:
 
 def parse_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
     """Every profile's bands, every key and value checked (the whole file, not just the profile asked for)."""
-    unknown = sorted(set(data) - {"profiles"})
+    unknown = sorted(set(data) - {"profiles", "depth"})
     if unknown:
-        raise BandsError(f"{path}: unknown top-level key(s) {unknown}; allowed: ['profiles']")
+        raise BandsError(f"{path}: unknown top-level key(s) {unknown}; allowed: ['depth', 'profiles']")
+    parse_depth_bands(data, path)
     profiles = data.get("profiles", {})
     if not isinstance(profiles, dict):
         raise BandsError(f"{path}: 'profiles' must be a table of profile tables")
@@ -105,6 +107,45 @@ def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
     if bands is None:
         raise BandsError(f"{path}: no bands for profile {profile!r} and no [profiles.default]")
     return bands
+
+
+def parse_depth_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
+    """The per-depth-bucket bands (issue 39): ``[depth.PROFILE.BUCKET]`` tables (BUCKET a core.depth label or
+    ``default``), the same four keys as a domain band, every one checked."""
+    depth = data.get("depth", {})
+    if not isinstance(depth, dict):
+        raise BandsError(f"{path}: 'depth' must be a table of profile tables")
+    allowed = ("default",) + BUCKET_LABELS
+    out: dict[str, dict[str, Band]] = {}
+    for name, table in depth.items():
+        if not isinstance(table, dict):
+            raise BandsError(f"{path}: depth.{name} must be a table of depth-bucket bands, got {table!r:.60}")
+        bands = {}
+        for bucket, values in table.items():
+            if bucket not in allowed:
+                raise BandsError(f"{path}: depth.{name}.{bucket}: unknown depth bucket; allowed: {list(allowed)}")
+            bands[bucket] = _band(path, f"depth.{name}.{bucket}", values)
+        if "default" not in bands:
+            raise BandsError(f"{path}: depth.{name} has no 'default' band")
+        out[name] = bands
+    return out
+
+
+def load_depth_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
+    """The profile's per-bucket bands; a profile without a [depth.PROFILE] table is refused (no silent band)."""
+    path = Path(path)
+    bands = parse_depth_bands(read_toml(path, "bands file", BandsError), path).get(profile)
+    if bands is None:
+        raise BandsError(f"{path}: no per-depth-bucket bands for profile {profile!r} (add [depth.{profile}.default])")
+    return bands
+
+
+def judge_depth(reports: dict[str, GroupReport], bands: dict[str, Band], profile: str) -> PanelVerdict:
+    """Each depth bucket against its band (the domain rule of judge_domain); passes when every bucket does."""
+    if not reports:
+        return PanelVerdict(profile, False, [DomainVerdict("(no bucket)", False, ["no scored positions"])])
+    verdicts = [judge_domain(g, bands.get(b, bands["default"])) for b, g in reports.items()]
+    return PanelVerdict(profile, all(v.passed for v in verdicts), verdicts)
 
 
 def judge_domain(group: GroupReport, band: Band) -> DomainVerdict:
