@@ -76,7 +76,7 @@ class GateTarget:
     precision: str = "fp32"
     bands: str = "gates/bands.toml"
     sizes: str = ""                   # gate sizes over gates/config.toml; "" = the CI sizes alone
-    prefix_cache: str = "on"          # "off": the engine cannot cache prefixes here, the prefix gate does not apply
+    prefix_cache: str = "required"    # "optional": the engine may run without prefix caching (the gate then xfails)
 
 
 DEFAULT_GATE_TARGET = GateTarget()
@@ -94,8 +94,9 @@ def parse_gate_target(data: Any, where: str) -> GateTarget:
         if not isinstance(value, str) or not value:
             raise ProfileError(f"{where} [gate]: {key!r} must be a non-empty string, got {value!r:.60}")
     target = dataclasses.replace(DEFAULT_GATE_TARGET, **data)
-    if target.prefix_cache not in ("on", "off"):
-        raise ProfileError(f"{where} [gate]: prefix_cache {target.prefix_cache!r}: expected \"on\" or \"off\"")
+    if target.prefix_cache not in ("required", "optional"):
+        raise ProfileError(f"{where} [gate]: prefix_cache {target.prefix_cache!r}: expected \"required\" or "
+                           "\"optional\"")
     if target.oracle not in ORACLE_PRECISIONS:
         raise ProfileError(f"{where} [gate]: oracle {target.oracle!r}: expected one of {sorted(ORACLE_PRECISIONS)}")
     if target.precision not in ORACLE_PRECISIONS[target.oracle]:

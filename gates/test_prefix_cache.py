@@ -10,8 +10,8 @@ gates/lib/prefix.py.
 
 Whether the gate applies is the profile's word (gates/lib/prefix.py, ``expected_prefix_caching``): not applicable
 (xfail) only when the profile runs the engine without prefix caching (``--no-enable-prefix-caching`` in its launch,
-or ``[gate] prefix_cache = "off"``) and the engine agrees; an engine that reports caching off while its profile
-expects it on FAILS, naming both.
+or ``[gate] prefix_cache = "optional"``) and the engine reports it off; an engine that reports caching off while its
+profile requires it FAILS, naming both.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def prefix_runs(request, engine_client, engine_endpoint, gate_config, engine_fac
     if not appl.applies:
         # e.g. vllm-cpu-dsv4: vLLM CPU turns prefix caching off for MLA models, and the profile declares it
         cc = engine_facts.get("cache_config") or {}
-        return {"not_applicable": f"{appl.reason}; the engine agrees (enable_prefix_caching "
-                                  f"{engine_facts.get('prefix_caching')}, block_size {cc.get('block_size')})"}
+        return {"not_applicable": f"{appl.reason}, and the engine reports enable_prefix_caching="
+                                  f"{engine_facts.get('prefix_caching')} (block_size {cc.get('block_size')})"}
     block = engine_facts["block_size"]
     assert block, f"the server did not report its KV block size: {engine_facts['cache_config']}"
     cases = [c for c in _cases(cfg, block, gate_tokenizer) if c["expected"] > 0]

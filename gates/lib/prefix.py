@@ -149,36 +149,44 @@ class Applicability:
     problem: str | None = None
 
 
-def expected_prefix_caching(profile: Any, flags: Sequence[str] = ()) -> tuple[bool, str]:
-    """Whether the profile (engine.profiles.Profile, or None for an engine given by URL alone) runs the engine
-    with prefix caching, and why: off when its [gate] table declares ``prefix_cache = "off"`` (an engine that
-    forces it off, e.g. vLLM CPU for MLA models) or its launch arguments -- the profile's own and those of the
-    flags it runs with -- include --no-enable-prefix-caching; on otherwise. The engine under test has no say."""
+CacheExpectation = str   # "required" | "optional" | "off"
+
+
+def expected_prefix_caching(profile: Any, flags: Sequence[str] = ()) -> tuple[CacheExpectation, str]:
+    """What the profile (engine.profiles.Profile, or None for an engine given by URL alone) says about prefix
+    caching, and why: ``off`` when its launch arguments -- the profile's own and those of the flags it runs with --
+    include --no-enable-prefix-caching; ``optional`` when its [gate] table declares ``prefix_cache = "optional"``
+    (an engine that may turn it off by itself, e.g. vLLM CPU for MLA models without AMX); ``required`` otherwise.
+    The engine under test has no say."""
     if profile is None:
-        return True, "no engine profile was given, and an engine is expected to cache prefixes"
+        return "required", "no engine profile was given, and an engine is expected to cache prefixes"
     where = f"profile {profile.name}"
-    if getattr(profile.gate, "prefix_cache", "on") == "off":
-        return False, f'{where} declares [gate] prefix_cache = "off"'
     if PREFIX_OFF_ARG in profile.args:
-        return False, f"{where} launches the engine with {PREFIX_OFF_ARG}"
+        return "off", f"{where} launches the engine with {PREFIX_OFF_ARG}"
     off_flags = [f for f in flags if f in profile.flags and PREFIX_OFF_ARG in profile.flags[f].args]
     if off_flags:
-        return False, f"{where} runs with flag {off_flags[0]}, which launches the engine with {PREFIX_OFF_ARG}"
-    return True, (f'{where} expects prefix caching on (no {PREFIX_OFF_ARG} in its launch, no [gate] '
-                  'prefix_cache = "off")')
+        return "off", f"{where} runs with flag {off_flags[0]}, which launches the engine with {PREFIX_OFF_ARG}"
+    if getattr(profile.gate, "prefix_cache", "required") == "optional":
+        return "optional", f'{where} declares [gate] prefix_cache = "optional"'
+    return "required", (f'{where} expects prefix caching on (no {PREFIX_OFF_ARG} in its launch, no [gate] '
+                        'prefix_cache = "optional")')
 
 
-def prefix_cache_applicability(expected: bool, why: str, engine_reports: bool | None) -> Applicability:
-    """The gate applies when the profile expects caching on; it is not applicable only when the profile says off
-    and the engine agrees. An engine that reports caching off while its profile expects it on is a problem (an
-    engine change that disables caching must not turn the gate into an xfail), and so is the converse. An engine
-    that does not report it (``None``) is gated: the cases themselves prove each hit or call it INVALID."""
-    if expected and engine_reports is not False:
-        return Applicability(True, why)
-    if not expected and engine_reports is not True:
+def prefix_cache_applicability(expected: CacheExpectation, why: str, engine_reports: bool | None) -> Applicability:
+    """The gate applies whenever the engine caches (or does not say: its cases prove each hit or call it INVALID),
+    unless the profile turned caching off. It is not applicable only when the profile turned caching off or made
+    it optional, and the engine reports it off. An engine that reports caching off while its profile requires it
+    is a problem (an engine change that disables caching must not turn the gate into an xfail), and so is one
+    that caches although its profile launched it with caching off."""
+    if expected == "off":
+        if engine_reports:
+            return Applicability(False, why, f"the engine reports prefix caching on (vllm:cache_config_info "
+                                             f"enable_prefix_caching), but {why}")
         return Applicability(False, why)
-    said = "on" if engine_reports else "off"
-    fix = ('' if engine_reports else '; if the engine cannot cache prefixes, declare [gate] prefix_cache = "off" '
-           'in the profile')
-    return Applicability(False, why, f"the engine reports prefix caching {said} (vllm:cache_config_info "
-                                     f"enable_prefix_caching), but {why}{fix}")
+    if engine_reports is not False:
+        return Applicability(True, why)
+    if expected == "optional":
+        return Applicability(False, why)
+    return Applicability(False, why, f"the engine reports prefix caching off (vllm:cache_config_info "
+                                     f"enable_prefix_caching=False), but {why}; if this engine may run without it, "
+                                     'declare [gate] prefix_cache = "optional" in the profile')

@@ -246,25 +246,38 @@ def test_prefix_cache_applicability_is_the_profiles_word_not_the_engines():
     from gates.lib.prefix import expected_prefix_caching, prefix_cache_applicability
 
     fp32, dsv4 = load_profile("vllm-cpu-fp32"), load_profile("vllm-cpu-dsv4")
-    # the fp32 profile expects caching on: an engine that reports it off FAILS, naming the profile
-    on, why = expected_prefix_caching(fp32, ())
-    assert on is True
-    verdict = prefix_cache_applicability(on, why, engine_reports=False)
+    # the fp32 profile requires caching: an engine that reports it off FAILS, naming the profile (it xfailed)
+    mode, why = expected_prefix_caching(fp32, ())
+    assert mode == "required"
+    verdict = prefix_cache_applicability(mode, why, engine_reports=False)
     assert not verdict.applies and verdict.problem and "vllm-cpu-fp32" in verdict.problem
-    assert prefix_cache_applicability(on, why, engine_reports=True).applies
+    assert "enable_prefix_caching=False" in verdict.problem
+    assert prefix_cache_applicability(mode, why, engine_reports=True).applies
     # an engine that reports nothing is not taken as "off": it is gated (its cases prove each hit or are INVALID)
-    assert prefix_cache_applicability(on, why, engine_reports=None).applies
+    assert prefix_cache_applicability(mode, why, engine_reports=None).applies
     # the profile's own flag that turns caching off: not applicable, said by the profile
     off, why_off = expected_prefix_caching(fp32, ("no_prefix_cache",))
-    assert off is False and "--no-enable-prefix-caching" in why_off
+    assert off == "off" and "--no-enable-prefix-caching" in why_off and "no_prefix_cache" in why_off
     na = prefix_cache_applicability(off, why_off, engine_reports=False)
     assert not na.applies and na.problem is None and "no_prefix_cache" in na.reason
-    # DeepSeek-V4 on vLLM CPU: the profile declares caching off ([gate] prefix_cache = "off")
+    # ... and an engine that caches anyway ignored its launch: a problem, named
+    assert prefix_cache_applicability(off, why_off, engine_reports=True).problem
+    # DeepSeek-V4 on vLLM CPU: caching is off without AMX, on with it; the profile declares it optional
     ds, why_ds = expected_prefix_caching(dsv4, ())
-    assert ds is False and "[gate]" in why_ds
+    assert ds == "optional" and "[gate]" in why_ds
     assert prefix_cache_applicability(ds, why_ds, engine_reports=False).problem is None
-    # declared off but the engine caches: a mismatch, named
-    assert prefix_cache_applicability(ds, why_ds, engine_reports=True).problem
+    assert not prefix_cache_applicability(ds, why_ds, engine_reports=False).applies
+    assert prefix_cache_applicability(ds, why_ds, engine_reports=True).applies    # AMX host: gated
+
+
+def test_a_profile_declares_prefix_cache_required_or_optional_only(tmp_path):
+    from engine.profiles import ProfileError, load_profile
+
+    base = (REPO / "engine" / "profiles" / "vllm-cpu-fp32.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(base + '\n[gate]\nprefix_cache = "off"\n')
+    with pytest.raises(ProfileError, match="prefix_cache 'off'"):
+        load_profile(bad)
 
 
 # ============================================================================================ silent numbers
