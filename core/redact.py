@@ -5,8 +5,12 @@ Known secrets: the values of environment variables whose names look secret (``*_
 ``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``; not ``*TOKENIZER*`` / ``*_TOKENS``), any value registered with
 `register_secret` (an ``--api-key`` given on a command line, see `register_argv`), each also in its URL-encoded
 and JSON-escaped forms. Whatever the value, these are redacted too: the ``user:password@`` part of URLs, the
-credential of an ``Authorization:`` header (``Bearer``/``Basic``/``token``) and of a bare ``Bearer <token>``, and
-``api_key=`` / ``access_token=`` / ``token=`` URL query values.
+credential of an ``Authorization:`` header (``Bearer``/``Basic``/``token``) and of a bare ``Bearer <token>``; in a
+whole URL (``scheme://...``) every query and fragment value unless its key is allow-listed (`redact_url`:
+``?client_secret=``, ``?sig=``, ``?access_key=`` alike), and in a scheme-less query the values of secret-looking keys.
+An environment written into a record or a log is redacted by key as well as by value (`redact_env`:
+``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``, ``*AUTH*``, ``*SIG*``, ...), so a token that is
+in no other list (an ``--engine-env`` value, a profile's own ``[env]``) is hidden too.
 
 Every path out uses this module: error lines (`ds41gates.cli`), results.json and reports (the pytest plugin,
 reports.render), records' provenance (core.records), the launcher's log header, and the nightly's printed
@@ -30,8 +34,19 @@ _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<cred>[
 _AUTH_HEADER = re.compile(r"(?P<head>\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?)"
                           r"(?:(?P<scheme>bearer|basic|token|digest)\s+)?(?P<cred>[^\s\"',;}\]]+)", re.IGNORECASE)
 _BEARER = re.compile(r"\b(?P<head>Bearer\s+)(?P<cred>[A-Za-z0-9._~+/-]{6,}=*)")   # the header's own casing
-_QUERY_SECRET = re.compile(r"(?P<head>[?&](?:api[_-]?key|access[_-]?token|token|key|password|secret)=)(?P<cred>[^&#\s\"']+)",
+# a query of a URL without its scheme ("GET /v1/models?api_key=..."): values under secret-looking keys
+_QUERY_SECRET = re.compile(r"(?P<head>[?&#][A-Za-z0-9_.-]*(?:key|token|secret|password|passwd|pwd|sig|signature|"
+                           r"credential|auth|session|code)[A-Za-z0-9_.-]*=)(?!<redacted>)(?P<cred>[^&#\s\"']+)",
                            re.IGNORECASE)
+# a whole URL in text: redact_url treats every query value, fragment value and userinfo as secret
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
+# query keys whose values are never secret (kept in a redacted URL); every other value is hidden
+URL_SAFE_QUERY_KEYS = frozenset({"model", "format", "stream", "api-version", "api_version", "version"})
+# names whose value is hidden wherever an environment is written, whatever the value (broader than SECRET_NAME,
+# which also decides what is redacted from all text by value, so it stays narrow)
+SECRET_ENV_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD|PASSWD|(?:^|_)PASS(?:_|$)|PWD|CREDENTIAL|"
+                             r"AUTH(?!OR)|(?:^|_)SIG(?:NATURE)?(?:_|$)|SIGNATURE|COOKIE|SESSION|PRIVATE",
+                             re.IGNORECASE)
 
 _registered: set[str] = set()
 
@@ -124,17 +139,91 @@ def redact(text: str, secrets: Iterable[str] | None = None) -> str:
             text = text.replace(s, REDACTED)
     text = _AUTH_HEADER.sub(_auth_header, text)
     text = _BEARER.sub(lambda m: f"{m.group('head')}{REDACTED}", text)
+    text = _URL.sub(_url_in_text, text)
     text = _QUERY_SECRET.sub(lambda m: f"{m.group('head')}{REDACTED}", text)
     return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
 
 
+def _url_in_text(m: re.Match) -> str:
+    url = m.group(0)
+    cut = len(url.rstrip(").,;:!]}"))   # a sentence's punctuation after the URL is not part of it
+    return redact_url(url[:cut]) + url[cut:]
+
+
+def _redact_pairs(text: str) -> str:
+    """``k=v&k2=v2`` with every value hidden unless its key is in URL_SAFE_QUERY_KEYS; a bare item (no ``=``)
+    is hidden whole."""
+    out = []
+    for item in text.split("&"):
+        key, eq, value = item.partition("=")
+        if not item:
+            out.append(item)
+        elif not eq:
+            out.append(REDACTED)
+        elif key.lower() in URL_SAFE_QUERY_KEYS or not value or value == REDACTED:
+            out.append(item)
+        else:
+            out.append(f"{key}={REDACTED}")
+    return "&".join(out)
+
+
+def redact_url(url: str) -> str:
+    """A URL with its userinfo and every query value hidden (unless its key is in URL_SAFE_QUERY_KEYS), and a
+    fragment that carries values (``#access_token=...``) likewise; scheme, host, port and path kept."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not isinstance(url, str) or not url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:   # not a URL urllib can split: the text rules still apply
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
+    query = _redact_pairs(parts.query) if parts.query else parts.query
+    fragment = _redact_pairs(parts.fragment) if "=" in parts.fragment else parts.fragment
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
+
+
+def value_is_set(v: Any) -> bool:
+    return v is not None and v != ""
+
+
+def secret_env_name(name: str) -> bool:
+    """Whether an environment variable's name says its value is secret (SECRET_ENV_NAME)."""
+    return bool(SECRET_ENV_NAME.search(name))
+
+
+def redact_env(env: Mapping[str, str], secrets: Iterable[str] | None = None) -> dict[str, str]:
+    """An environment as it may be written into a record or a log: by KEY, the value of every secret-looking
+    name hidden whatever it is (an --engine-env or a profile's own token is in no other list); by VALUE, every
+    known secret inside the other values (`redact`)."""
+    secrets = known_secrets() if secrets is None else list(secrets)
+    return {str(k): (REDACTED if secret_env_name(str(k)) and value_is_set(v) else redact(str(v), secrets))
+            for k, v in env.items()}
+
+
+_ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def _secret_env_key(key: Any) -> bool:
+    """An environment variable's name (upper case, as every record stores an environment) that says its value is
+    secret; record fields are lower case and keep their values."""
+    return isinstance(key, str) and bool(_ENV_NAME.fullmatch(key)) and secret_env_name(key)
+
+
 def redact_data(value: Any, secrets: Iterable[str] | None = None) -> Any:
-    """A copy of a JSON-like structure with `redact` applied to every string, keys included."""
+    """A copy of a JSON-like structure with `redact` applied to every string, keys included; under a key that is
+    a secret-looking environment variable name (``HF_TOKEN``, ``MY_SIG``: `secret_env_name`) the value is hidden
+    whatever it is, so an environment stored in a record is redacted by key as well as by value."""
     secrets = known_secrets() if secrets is None else list(secrets)
     if isinstance(value, str):
         return redact(value, secrets)
     if isinstance(value, Mapping):
-        return {redact(k, secrets) if isinstance(k, str) else k: redact_data(v, secrets) for k, v in value.items()}
+        return {redact(k, secrets) if isinstance(k, str) else k:
+                (REDACTED if _secret_env_key(k) and value_is_set(v) else redact_data(v, secrets))
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact_data(v, secrets) for v in value]
     return value

@@ -81,6 +81,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    _refuse_fault_injector()
     _gate_suite_by_default(config)
     _check_requested_flags(config)
     _check_engine_profile(config)
@@ -431,6 +432,18 @@ def _check_engine_profile(config: pytest.Config) -> None:
         load_profile(name)
     except ProfileError as exc:
         raise pytest.UsageError(f"--engine-profile: {exc}") from None
+
+
+def _refuse_fault_injector() -> None:
+    """The fault injector (engine/vllm_perturb, DS41_PERTURB_*) plants faults for `ds41gate localize` only: a gate
+    session whose environment carries one refuses to start, naming it, before anything is claimed or launched (a
+    profile's or a flag's env carrying one is refused by the profile parser, engine/environment.py)."""
+    from engine.environment import EngineEnvError, refuse_injector
+
+    try:
+        refuse_injector(os.environ, "gate session environment")
+    except EngineEnvError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _check_engine_flags(config: pytest.Config) -> None:

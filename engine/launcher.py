@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from core.redact import REDACTED, SECRET_NAME, redact, register_secret
+from core.redact import redact_env as _redact_env
 from engine import supervise
+from engine.environment import engine_base_env
 from engine.profiles import (  # noqa: F401  (re-exported: importers of engine.launcher in other floors)
     PROFILES_DIR,
     REPO_ROOT,
@@ -49,8 +51,7 @@ from engine.profiles import (  # noqa: F401  (re-exported: importers of engine.l
     Profile,
     ProfileError,
     available_profiles,
-    check_loader_env,
-    is_loader_env,
+    check_profile_env,
     load_profile,
     parse_profile,
 )
@@ -180,8 +181,9 @@ class LaunchSpec:
 
     profile: str
     argv: tuple[str, ...]
-    env: Mapping[str, str]  # the profile's entries (and flags'), not the inherited environment
+    env: Mapping[str, str]  # the profile's entries (and flags'), not the base (engine/environment.py)
     unset_env: tuple[str, ...]
+    inherit_env: tuple[str, ...]
     host: str
     port: int
     base_url: str
@@ -192,8 +194,14 @@ class LaunchSpec:
     served_model: str
     flags: tuple[str, ...]
 
-    def full_env(self, base: Mapping[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in base.items() if k not in self.unset_env}
+    def full_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The engine's whole environment: the minimal base taken from ``environ`` (default: this process's;
+        engine.environment.engine_base_env), less ``unset_env``, plus the profile's entries. Nothing else of
+        the harness's environment (its keys and tokens, DS41_PERTURB_*) reaches the engine."""
+        environ = os.environ if environ is None else environ
+        env = engine_base_env(environ)
+        env.update({k: environ[k] for k in self.inherit_env if k in environ})
+        env = {k: v for k, v in env.items() if k not in self.unset_env}
         env.update(self.env)
         return env
 
@@ -229,6 +237,7 @@ def resolve(
         argv=tuple(argv),
         env=env,
         unset_env=profile.unset_env,
+        inherit_env=profile.inherit_env,
         host=profile.host,
         port=port,
         base_url=f"http://{profile.host}:{port}",
@@ -255,12 +264,13 @@ def server_api_key(spec: LaunchSpec, base_env: Mapping[str, str] | None = None) 
             return argv[i + 1]
         if a.startswith(("--api-key=", "--api_key=")):
             return a.split("=", 1)[1]
-    return spec.full_env(os.environ if base_env is None else base_env).get("VLLM_API_KEY") or None
+    return spec.full_env(base_env).get("VLLM_API_KEY") or None
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The env for the log header: values of names matching *KEY*/*TOKEN*/*SECRET*/*PASSWORD* hidden."""
-    return {k: (REDACTED if _SECRET_NAME.search(k) else v) for k, v in env.items()}
+    """The env for the log header: by key (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*, *AUTH*, *SIG*...) and by value
+    (core.redact.redact_env)."""
+    return _redact_env(env)
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
@@ -380,7 +390,7 @@ class EngineServer:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=spec.full_env(os.environ),
+                    env=spec.full_env(),
                     cwd=str(REPO_ROOT),
                     start_new_session=True,
                 )

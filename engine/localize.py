@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class EngineInvocation:
 def engine_invocation(profile: str, flags: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
                       base_env: Mapping[str, str] | None = None) -> EngineInvocation:
     """Resolve ``profile`` (engine/profiles/<name>.toml) as the launcher would, minus the HTTP front end."""
+    from engine.environment import merge_engine_env
     from engine.launcher import resolve
     from engine.profiles import load_profile
 
@@ -64,10 +66,13 @@ def engine_invocation(profile: str, flags: Sequence[str] = (), extra_env: Mappin
             continue
         args.append(a)
         i += 1
-    profile_env = dict(spec.env)
-    profile_env.update(extra_env or {})
-    env = {k: v for k, v in (os.environ if base_env is None else base_env).items()
-           if k not in spec.unset_env and k not in ("VIRTUAL_ENV", "PYTHONHOME") and k not in PERTURB_ENV}
+    # --engine-env: the same allow-list as a profile's [env] (the fault injector's variables allowed: this is the
+    # one place that plants faults), a variable the profile sets too refused, PYTHONPATH merged (said on stderr)
+    profile_env, notes = merge_engine_env(spec.env, extra_env or {}, "--engine-env")
+    for note in notes:
+        print(f"[localize] {note}", file=sys.stderr, flush=True)
+    # the runner starts from the engine's minimal environment (engine/environment.py), as a launched server does
+    env = spec.full_env(os.environ if base_env is None else base_env)
     env.update(profile_env)
     paths = [str(repo_root())] + ([profile_env["PYTHONPATH"]] if profile_env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)

@@ -13,10 +13,11 @@ A profile (``engine/profiles/<name>.toml``) says what to run::
     start_timeout_s = 600
     stop_grace_s = 20
     log_file = "{cache}/logs/{profile}-{stamp}.log"
-    unset_env = ["PYTHONPATH"]           # removed from the inherited environment
-    allow_env = []                       # loader/interpreter variables this profile may set (see LOADER_ENV)
-    [env]
-    HF_HUB_OFFLINE = "1"
+    unset_env = ["PYTHONPATH"]           # removed from the base environment the engine starts from
+    inherit_env = []                     # names the engine takes from the harness's environment besides the base
+                                         # (allow-listed, never a secret: exllamav3's PYTHONPATH on a GPU box)
+    [env]                                # what the engine gets besides the minimal base (engine/environment.py);
+    HF_HUB_OFFLINE = "1"                 # names on engine/environment.py's allow-list only
     [flags.VLLM_DS41_SOMETHING]          # turned on per launch: EngineServer(..., flags=[...])
     env = { VLLM_DS41_SOMETHING = "1" }
     args = ["--some-arg"]
@@ -45,6 +46,8 @@ from typing import Any
 
 from core.errors import UnsafeNameError, UserError
 from core.paths import safe_name
+from core.redact import secret_env_name
+from engine.environment import check_engine_env, settable_name
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +126,7 @@ class Profile:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
+    inherit_env: tuple[str, ...] = ()
     engine: str = ""
     served_model: str = ""
     host: str = "127.0.0.1"
@@ -153,7 +157,7 @@ class Profile:
                 changes["args"] = tuple(changes.get("args", self.args)) + tuple(str(v) for v in value)
             elif key == "extra_env":
                 changes["env"] = {**changes.get("env", self.env), **{k: str(v) for k, v in value.items()}}
-            elif key in ("args", "command", "unset_env"):
+            elif key in ("args", "command", "unset_env", "inherit_env"):
                 changes[key] = tuple(str(v) for v in value)
             elif key == "env":
                 changes[key] = {k: str(v) for k, v in value.items()}
@@ -179,36 +183,25 @@ def _str_map(data: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
 _TOP_KEYS = {
     "name", "engine", "served_model", "command", "args", "env", "unset_env", "host", "port",
     "health_url", "start_timeout_s", "stop_grace_s", "log_file", "flags", "description", "allow_env", "gate",
+    "inherit_env",
 }
 
-# Variables that choose which code the engine's loader or interpreter runs (a preloaded library, a library or
-# module search path, a start-up script). A profile setting one is refused unless it lists the name in
-# `allow_env`, or the value names only folders of this checkout (`{repo}/...`, no `..`): the harness's own
-# code, as vllm-cpu-dsv4's PYTHONPATH = "{repo}/engine/vllm_dsv4" (its sitecustomize). Removing one
-# (`unset_env`) is always fine. The same rule holds for a nightly cell's env (nightly/runner.py).
-LOADER_ENV = frozenset({"PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-                        "BASH_ENV", "ENV"})
-LOADER_ENV_PREFIXES = ("LD_", "DYLD_")
+# What a profile's [env] and its flags' env may set: engine/environment.py's allow-list (a loader or interpreter
+# variable never; PYTHONPATH only to tracked source folders of this checkout; DS41_PERTURB_* never). The same
+# policy holds for a nightly cell's env (nightly/runner.py) and `ds41gate localize --engine-env`.
 
 
-def is_loader_env(name: str) -> bool:
-    return name in LOADER_ENV or name.startswith(LOADER_ENV_PREFIXES)
+def check_profile_env(env: Mapping[str, str], where: str) -> None:
+    check_engine_env(env, where, error=ProfileError)
 
 
-def _inside_repo(value: str) -> bool:
-    parts = value.split(os.pathsep)
-    return bool(parts) and all(p.startswith("{repo}/") and ".." not in p for p in parts)
-
-
-def check_loader_env(env: Mapping[str, str], allow: Sequence[str], where: str,
-                     error: type[Exception] | None = None) -> None:
-    """Refuse (ProfileError, or `error`) an entry of `env` that hijacks the loader or interpreter (LOADER_ENV,
-    LD_*, DYLD_*) unless `allow` names it or its value names only `{repo}/...` folders."""
-    for name, value in env.items():
-        if is_loader_env(name) and name not in allow and not _inside_repo(str(value)):
-            raise (error or ProfileError)(
-                f"{where}: env {name} changes which code the engine's loader or interpreter runs; refused "
-                f"(list it in allow_env = [\"{name}\"] if this profile really needs it)")
+def check_inherit_env(names: Sequence[str], where: str) -> None:
+    """`inherit_env` names only allow-listed variables (engine/environment.py), never a secret-looking one: the
+    harness's own keys and tokens stay in the harness."""
+    for name in names:
+        if secret_env_name(name) or not settable_name(name):
+            raise ProfileError(f"{where}: inherit_env {name!r}: the engine may inherit only allow-listed, "
+                               "non-secret variables from the harness (engine/environment.py)")
 
 
 def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_name: str = "") -> Profile:
@@ -222,7 +215,9 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
         safe_name(name, "profile name")   # becomes file names: engine-<name>.safetensors, the launcher log
     except UnsafeNameError as exc:
         raise ProfileError(f"{where}: {exc}") from None
-    allow_env = _str_list(data, "allow_env", where)
+    if "allow_env" in data:
+        raise ProfileError(f"{where}: 'allow_env' is gone: what a profile may set is engine/environment.py's "
+                           "allow-list (a loader variable never is)")
     command = _str_list(data, "command", where)
     if not command:
         raise ProfileError(f"{where}: 'command' is required and must not be empty")
@@ -235,7 +230,7 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
         if not isinstance(spec, dict) or set(spec) - {"env", "args"}:
             raise ProfileError(f"{fwhere}: a flag table holds only 'env' and 'args', got {spec!r}")
         flags[flag] = FlagSpec(env=_str_map(spec, "env", fwhere), args=_str_list(spec, "args", fwhere))
-        check_loader_env(flags[flag].env, allow_env, fwhere)
+        check_profile_env(flags[flag].env, fwhere)
     port = data.get("port", 0)
     if not isinstance(port, int) or not 0 <= port < 65536:
         raise ProfileError(f"{where}: 'port' must be an integer in [0, 65535], got {port!r}")
@@ -251,13 +246,16 @@ def parse_profile(data: Mapping[str, Any], source: Path | None = None, default_n
                 raise ProfileError(f"{where}: {key!r} must be a positive number, got {data[key]!r}")
             kwargs[key] = float(data[key])
     env = _str_map(data, "env", where)
-    check_loader_env(env, allow_env, where)
+    check_profile_env(env, where)
+    inherit_env = _str_list(data, "inherit_env", where)
+    check_inherit_env(inherit_env, where)
     return Profile(
         name=name,
         command=command,
         args=_str_list(data, "args", where),
         env=env,
         unset_env=_str_list(data, "unset_env", where),
+        inherit_env=inherit_env,
         port=port,
         flags=flags,
         gate=parse_gate_target(data["gate"], where) if "gate" in data else DEFAULT_GATE_TARGET,

@@ -69,8 +69,8 @@ from core import metrics
 from core.atomic import atomic_write_text
 from core.errors import UnsafeNameError, UserError
 from core.paths import repo_root, safe_name
-from core.redact import SECRET_NAME, known_secrets, redact, redact_command, redact_data, register_argv, \
-    register_secret, scrub_file
+from core.redact import known_secrets, redact, redact_command, redact_data, register_argv, register_secret, \
+    scrub_file, secret_env_name
 from core.results import FILE_NAME as RESULTS_FILE
 from core.results import GateResults, ResultsError
 from core.tomlfile import read_toml
@@ -211,9 +211,11 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path
         env = c.get("env", {})
         if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
             raise NightlyConfigError(f"{where}.env must be a table of strings")
-        from engine.launcher import check_loader_env
+        from engine.environment import check_engine_env
 
-        check_loader_env(env, (), f"{where}", NightlyConfigError)
+        # the cell's gate session environment (the engine starts from its profile's env, not this): the
+        # allow-list plus the harness's DS41_* settings; no loader variable, no fault injector
+        check_engine_env(env, f"{where}", cell=True, error=NightlyConfigError)
         cells.append(Cell(str(c.get("name") or cell_name(c["profile"], flags)), _resolve_profile(c["profile"], base),
                           flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env),
                           _strs(c.get("pytest_args", []), f"{where}.pytest_args")))
@@ -454,7 +456,7 @@ def register_config_secrets(cfg: NightlyConfig) -> None:
     for cell in cfg.cells:
         register_argv(cell.pytest_args)
         for k, v in cell.env.items():
-            if SECRET_NAME.search(k):
+            if secret_env_name(k):   # by key, the broad rule (core.redact.SECRET_ENV_NAME)
                 register_secret(v)
 
 
@@ -588,6 +590,9 @@ def _now() -> str:
 def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = subprocess_runner,
                 only: Sequence[str] = (), echo: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> NightlyResult:
     started = _now()
+    from engine.environment import refuse_injector
+
+    refuse_injector(os.environ, "nightly environment", NightlyConfigError)   # before any folder or cell
     db, out_root = Path(db).resolve(), Path(out_root).resolve()  # the cells' pytest runs in the repo root
     if out_root.exists() and not out_root.is_dir():
         raise NightlyConfigError(f"--out {out_root}: exists and is not a folder (it takes a folder for the runs)")

@@ -190,7 +190,7 @@ def test_placeholders_flags_and_overrides() -> None:
         {
             "command": ["{python}", "-c", "pass"],
             "args": ["--cfg", '{"level": 0}', "--port={port}"],
-            "env": {"A": "{profile}-x"},
+            "env": {"VLLM_DS41_A": "{profile}-x"},   # an allow-listed name (engine/environment.py)
             "port": 4567,
             "flags": {"FAST": {"env": {"VLLM_DS41_FAST": "1"}, "args": ["--fast"]}},
         },
@@ -198,15 +198,15 @@ def test_placeholders_flags_and_overrides() -> None:
     )
     spec = resolve(prof, flags=["FAST"])
     assert spec.argv == (sys.executable, "-c", "pass", "--cfg", '{"level": 0}', "--port=4567", "--fast")
-    assert spec.env == {"A": "p-x", "VLLM_DS41_FAST": "1"}
-    assert resolve(prof).env == {"A": "p-x"}
+    assert spec.env == {"VLLM_DS41_A": "p-x", "VLLM_DS41_FAST": "1"}
+    assert resolve(prof).env == {"VLLM_DS41_A": "p-x"}
     with pytest.raises(ProfileError, match=r"no flag\(s\) \['SLOW'\].*\['FAST'\]"):
         resolve(prof, flags=["SLOW"])
     bad = parse_profile({"command": ["x"], "args": ["{nope}"]}, default_name="bad")
     with pytest.raises(ProfileError, match=r"'bad'.*\{nope\} in args"):
         resolve(bad)
     moved = prof.with_overrides({"port": 9999, "extra_args": ["--more"], "extra_env": {"B": "2"}})
-    assert moved.port == 9999 and moved.args[-1] == "--more" and moved.env == {"A": "{profile}-x", "B": "2"}
+    assert moved.port == 9999 and moved.args[-1] == "--more" and moved.env == {"VLLM_DS41_A": "{profile}-x", "B": "2"}
     with pytest.raises(ProfileError, match="unknown override"):
         prof.with_overrides({"prot": 1})
 

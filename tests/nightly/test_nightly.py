@@ -30,7 +30,7 @@ cell_timeout_s = 300
 [[cells]]
 name = "fake"
 profile = "vllm-cpu-fp32"
-env = {{ FAKE_GATE_MODE = "{mode}" }}
+env = {{ DS41_FAKE_GATE_MODE = "{mode}" }}
 {extra}
 """)
     return p

@@ -122,7 +122,7 @@ def test_nightly_echo_and_summary_are_redacted(tmp_path):
     cfg_path.write_text('[nightly]\nname = "r"\ngates = ["tests/data/nightly/fake_gate.py"]\n'
                         f'pytest_args = ["--engine-url", "http://u:{PW}@127.0.0.1:9"]\n'
                         '[[cells]]\nname = "c"\nprofile = "vllm-cpu-fp32"\n'
-                        'env = { MY_SERVICE_TOKEN = "cell-env-token-42" }\n')
+                        'env = { DS41_SERVICE_TOKEN = "cell-env-token-42" }\n')
     cfg = N.load_config(cfg_path)
     lines: list[str] = []
 

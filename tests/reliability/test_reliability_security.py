@@ -108,8 +108,8 @@ def _profile(tmp_path: Path, code: str, secret: str) -> Path:
         "stop_grace_s = 5",
         f"log_file = {q(str(tmp_path) + '/logs/{profile}-{stamp}.log')}",
         "[env]",
-        f"MY_SERVICE_API_KEY = {q(secret + '-env')}",
-        f"HF_TOKEN = {q(secret + '-env2')}",
+        f"VLLM_API_KEY = {q(secret + '-env')}",             # secret names a profile may set (allow-listed)
+        f"VLLM_DS41_REMOTE_TOKEN = {q(secret + '-env2')}",
         'HF_HUB_OFFLINE = "1"',
     ]) + "\n")
     return prof
@@ -123,7 +123,7 @@ def test_launcher_log_header_never_holds_a_secret(tmp_path):
     text = log.read_text()
     assert secret not in text, text
     header = text.splitlines()[:3]
-    assert "'MY_SERVICE_API_KEY': '<redacted>'" in header[1] and "'HF_TOKEN': '<redacted>'" in header[1]
+    assert "'VLLM_API_KEY': '<redacted>'" in header[1] and "'VLLM_DS41_REMOTE_TOKEN': '<redacted>'" in header[1]
     assert "'DS41_ENGINE_API_KEY': '<redacted>'" in header[1] and "'HF_HUB_OFFLINE': '1'" in header[1]
     assert "'--api-key', '<redacted>'" in header[2] and "'--hf_token=<redacted>'" in header[2]
     assert "'--tokenizer', 'tok.json'" in header[2]                     # not a secret: kept

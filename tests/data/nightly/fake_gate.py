@@ -1,6 +1,6 @@
 """A stand-in gate suite for the nightly runner's own tests (tests/nightly/test_nightly.py): no engine.
 
-Not collected by default (no test_ prefix); the nightly config names it. FAKE_GATE_MODE=green|regress (env):
+Not collected by default (no test_ prefix); the nightly config names it. DS41_FAKE_GATE_MODE=green|regress (env):
 `regress` makes the engine record noisier (per-prompt KL up on every prompt) and fails the exact gate.
 It goes through the real plugin: gate_run → results.json, session report, per_prompt.json.
 """
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gate
 
 
 def test_fake_kl_panel(gate_run, request):
-    mode = os.environ.get("FAKE_GATE_MODE", "green")
+    mode = os.environ.get("DS41_FAKE_GATE_MODE", "green")
     profile = request.config.getoption("--engine-profile") or "fake"
     rng = np.random.default_rng(7)
     ref, eng, _ = pair_of_records(rng, n_seq=12, length=10, vocab=40, k_ref=40, k_eng=10,
@@ -29,4 +29,4 @@ def test_fake_kl_panel(gate_run, request):
 
 
 def test_fake_exact():
-    assert os.environ.get("FAKE_GATE_MODE", "green") == "green", "fake exact gate: outputs changed"
+    assert os.environ.get("DS41_FAKE_GATE_MODE", "green") == "green", "fake exact gate: outputs changed"
