@@ -23,12 +23,21 @@ class LayerCache:
     """One layer's per-sequence state, batch-major. The window keeps the full history (equivalent to
     the reference's 128-slot ring, §17.2); the index order fed to sparse_attn reproduces the ring's."""
 
-    window_kv: torch.Tensor | None = None  # [b, T, head_dim] post-RoPE, post-QDQ8
+    window_kv: torch.Tensor | None = None  # [b, T - window_start, head_dim] post-RoPE, post-QDQ8
+    window_start: int = 0  # the absolute position of window_kv's row 0 (> 0 once a long prefill trimmed it)
     compress_kv: torch.Tensor | None = None  # [b, G, head_dim] post-RoPE, post-QDQ4e (KV sources)
     index_k: torch.Tensor | None = None  # [b, G, index_head_dim] post-RoPE, post-QDQ4p (key owners)
     carry_kv: torch.Tensor | None = None  # [b, r, head_dim] fp32 pending group (ratio-2 sources)
     carry_score: torch.Tensor | None = None
     ring: torch.Tensor | None = None  # DSpark stages: [b, window, head_dim] ring of main_kv
+
+    def trim_window(self, keep: int) -> None:
+        """Drop window rows older than the last `keep` (a chunked prefill keeps window - 1: all the next query
+        can see), so the window's memory is bounded by the window, not by the context."""
+        if self.window_kv is not None and self.window_kv.shape[1] > keep:
+            drop = self.window_kv.shape[1] - keep
+            self.window_kv = self.window_kv[:, drop:].clone()
+            self.window_start += drop
 
 
 @dataclass
@@ -101,10 +110,11 @@ def window_indices(start_pos: int, s: int, window: int, empty_slots_first: bool 
     """Window positions per query [s, n] in the reference's order (§11.1): prefill lists
     max(0, t-W+1) + arange(min(s, W)) with future slots -1; decode lists the last min(p+1, W) positions
     ascending, with -1 for the ring's empty slots before them (V4.1's ring order) or, with
-    `empty_slots_first=False`, after them (DeepSeek-V4's)."""
-    if start_pos == 0:
-        end = torch.arange(s).unsqueeze(1)
-        idx = (end - window + 1).clamp(min=0) + torch.arange(min(s, window))
+    `empty_slots_first=False`, after them (DeepSeek-V4's). A chunk of a chunked prefill (start_pos > 0,
+    s > 1) lists its queries as the one-pass prefill of a sequence of >= W tokens lists them."""
+    if start_pos == 0 or s > 1:
+        end = torch.arange(start_pos, start_pos + s).unsqueeze(1)
+        idx = (end - window + 1).clamp(min=0) + torch.arange(min(start_pos + s, window))
         return torch.where(idx > end, -1, idx)
     if s != 1:
         raise ValueError(f"decode step at start_pos={start_pos} must have 1 token, got {s} (§17.1)")
@@ -112,6 +122,22 @@ def window_indices(start_pos: int, s: int, window: int, empty_slots_first: bool 
     n_valid = min(p + 1, window)
     empty, filled = torch.full((window - n_valid,), -1), torch.arange(p + 1 - n_valid, p + 1)
     return torch.cat([empty, filled] if empty_slots_first else [filled, empty]).unsqueeze(0)
+
+
+def append_window(cache: LayerCache, kv: torch.Tensor, start_pos: int, layer_id: int) -> None:
+    """Write a call's window KV rows into the cache: a prefill (start_pos 0) starts it, a decode step or a
+    prefill chunk continues it."""
+    if start_pos == 0:
+        cache.window_kv, cache.window_start = kv, 0
+        return
+    if cache.window_kv is None or cache.window_start + cache.window_kv.shape[1] != start_pos:
+        raise RuntimeError(f"layer {layer_id}: decode at {start_pos} without a prefill of {start_pos} tokens (§17.1)")
+    cache.window_kv = torch.cat([cache.window_kv, kv], dim=1)
+
+
+def window_rows(idx: torch.Tensor, window_start: int) -> torch.Tensor:
+    """Absolute window positions (-1 = no key) -> rows of a window cache that starts at `window_start`."""
+    return idx if window_start == 0 else torch.where(idx >= 0, idx - window_start, -1)
 
 
 def grouped_wo_a(o: torch.Tensor, cis, wo_a: torch.Tensor, cfg: ModelConfig, num: Numerics) -> torch.Tensor:
@@ -179,17 +205,11 @@ class Attention:
         cis = num.rope_cis(self.freqs, pos, cfg.max_seq_len)
         qr, q = self._query(x, cis, num)
         kv = self._kv(x, cis, num)
-        if start_pos == 0:
-            cache.window_kv = kv
-        else:
-            if cache.window_kv is None or cache.window_kv.shape[1] != start_pos:
-                raise RuntimeError(f"layer {self.layer_id}: decode at {start_pos} without a prefill of "
-                                   f"{start_pos} tokens (§17.1)")
-            cache.window_kv = torch.cat([cache.window_kv, kv], dim=1)
+        append_window(cache, kv, start_pos, self.layer_id)
         kv_all = cache.window_kv
-        idx = window_indices(start_pos, s, cfg.window_size).expand(b, -1, -1)
+        idx = window_rows(window_indices(start_pos, s, cfg.window_size), cache.window_start).expand(b, -1, -1)
         if self.ratio:
-            ckv, cidx = self._compress(x, qr, start_pos, cache, shared, num, offset=end_pos)
+            ckv, cidx = self._compress(x, qr, start_pos, cache, shared, num, offset=kv_all.shape[1])
             kv_all = torch.cat([kv_all, ckv], dim=1)
             idx = torch.cat([idx, cidx], dim=-1)
         o = sparse_attn(q, kv_all, self.attn_sink, idx, cfg.head_dim**-0.5, num)
@@ -206,8 +226,8 @@ class Attention:
             latent = self.compressor(x, start_pos, cache, num)
             shared.compress_kv_owner = L
         # group j stands at position j*r (its first token)
-        if latent is not None:
-            gpos = torch.arange(0, s - s % r, r) if start_pos == 0 else torch.tensor([start_pos + 1 - r])
+        if latent is not None:  # the groups this call completed, the first one open before it
+            gpos = torch.arange(latent.shape[1]) * r + (start_pos // r) * r
             gcis = num.rope_cis(self.freqs, gpos, cfg.max_seq_len)
         # the indexer consumes the pre-RoPE, pre-QDQ latent, so it runs before the cache write
         if self.indexer is None:

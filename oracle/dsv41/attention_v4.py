@@ -21,7 +21,7 @@ import torch
 
 from dataclasses import dataclass
 
-from .attention import LayerCache, grouped_wo_a, sparse_attn, window_indices
+from .attention import LayerCache, append_window, grouped_wo_a, sparse_attn, window_indices, window_rows
 from .compressor_v4 import CompressorV4, IndexerV4, qdq8_nope
 from .config import ModelConfig
 from .numerics import Numerics, rstd_f64
@@ -42,10 +42,12 @@ class LayerCacheV4(LayerCache):
 
 def compressed_indices_v4(ratio: int, start_pos: int, s: int, offset: int) -> torch.Tensor:
     """[s, n] all compressed entries a ratio-128 query sees (entry j is visible to query t once its group
-    is complete: j < (t+1) // ratio), as `offset + j`, else -1; a decode step lists the complete ones."""
-    if start_pos == 0:
-        j = torch.arange(s // ratio).repeat(s, 1)
-        return torch.where(j >= (torch.arange(1, s + 1) // ratio).unsqueeze(1), -1, j + offset)
+    is complete: j < (t+1) // ratio), as `offset + j`, else -1; a decode step lists the complete ones, a chunk
+    of a chunked prefill (start_pos > 0, s > 1) its queries as the one-pass prefill does."""
+    if start_pos == 0 or s > 1:
+        end_pos = start_pos + s
+        j = torch.arange(end_pos // ratio).repeat(s, 1)
+        return torch.where(j >= (torch.arange(start_pos + 1, end_pos + 1) // ratio).unsqueeze(1), -1, j + offset)
     return (torch.arange((start_pos + 1) // ratio) + offset).unsqueeze(0)
 
 
@@ -96,18 +98,13 @@ class AttentionV4:
         q = num.r(num.rope(head_rmsnorm(q, cfg.norm_eps, num), cis))
         kv = num.rmsnorm(self._lin(x, self.wkv, num), self.kv_norm, cfg.norm_eps)
         kv = qdq8_nope(num.r(num.rope(kv, cis)), cfg.rope_head_dim, 64, cfg.scale_fmt)
-        if start_pos == 0:
-            cache.window_kv = kv
-        else:
-            if cache.window_kv is None or cache.window_kv.shape[1] != start_pos:
-                raise RuntimeError(f"layer {self.layer_id}: decode at {start_pos} without a prefill of "
-                                   f"{start_pos} tokens")
-            cache.window_kv = torch.cat([cache.window_kv, kv], dim=1)
+        append_window(cache, kv, start_pos, self.layer_id)
         kv_all = cache.window_kv
         # the V4 reference lists a decode step's empty ring slots after the filled ones
-        idx = window_indices(start_pos, s, cfg.window_size, empty_slots_first=False).expand(b, -1, -1)
+        idx = window_rows(window_indices(start_pos, s, cfg.window_size, empty_slots_first=False),
+                          cache.window_start).expand(b, -1, -1)
         if self.ratio:
-            offset = end_pos  # compressed rows follow the window's rows in kv_all
+            offset = kv_all.shape[1]  # compressed rows follow the window's rows in kv_all
             if self.indexer is not None:
                 cidx = self.indexer(x, qr, cis, start_pos, offset, cache, num)
             else:

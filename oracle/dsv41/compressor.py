@@ -28,7 +28,12 @@ class Compressor:
         # ratio > 1 runs in fp32 with fp32 weights in the reference too (§12.2)
         kv, score = num.fp32_linear(x, self.wkv), num.fp32_linear(x, self.wgate)
         b, s, _ = x.shape
-        if start_pos == 0:
+        if start_pos > 0 and s > 1:  # a chunk of a chunked prefill: the open group's tokens lead the chunk
+            n_open = start_pos % r
+            kv = torch.cat([cache.carry_kv[:, :n_open], kv], dim=1)
+            score = torch.cat([cache.carry_score[:, :n_open], score], dim=1)
+            s = kv.shape[1]
+        if start_pos == 0 or s > 1:
             cut = s - s % r
             cache.carry_kv = kv.new_zeros(b, r, kv.shape[-1])
             cache.carry_score = kv.new_full((b, r, kv.shape[-1]), float("-inf"))
@@ -101,8 +106,8 @@ class Indexer:
         score = num.on_bf16(lambda a, c: torch.einsum("bshd,btd->bsht", a, c), q, K)
         score = num.r(score.relu() * w.unsqueeze(-1))
         score = num.on_bf16(lambda t: t.sum(dim=2), score)  # the reference's top-k runs on bf16 scores
-        if start_pos == 0:
-            compress_lens = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]
+        if start_pos == 0 or s > 1:  # a prefill or a chunk of one: query t sees the groups complete at t
+            compress_lens = (torch.arange(start_pos + 1, end_pos + 1) // r).unsqueeze(-1)  # [s, 1]
             score = score.masked_fill(torch.arange(G) >= compress_lens, float("-inf"))
         else:
             compress_lens = torch.tensor(end_pos // r)

@@ -122,8 +122,8 @@ class CompressorV4:
         pooled = self.pool(x, start_pos, state, num)
         if pooled is None:
             return None
-        positions = torch.arange(0, pooled.shape[1] * self.ratio, self.ratio) if start_pos == 0 else \
-            torch.tensor([start_pos + 1 - self.ratio])
+        # the groups this call completed, the first one open before it (a prefill: group 0)
+        positions = (torch.arange(pooled.shape[1]) + start_pos // self.ratio) * self.ratio
         return self.finish(pooled, positions.to(x.device), num)
 
     def pool(self, x: torch.Tensor, start_pos: int, state: dict, num: Numerics) -> torch.Tensor | None:
@@ -133,6 +133,8 @@ class CompressorV4:
         # the reference computes the whole compressor in fp32 with fp32 copies of the bf16 weights
         kv, score = num.fp32_linear(x, self.wkv), num.fp32_linear(x, self.wgate)
         pool = lambda v, z, dim: (v * z.softmax(dim=dim)).sum(dim=dim)  # noqa: E731 per channel over slots
+        if start_pos > 0 and s > 1:
+            return self._pool_chunk(kv, score, start_pos, state, num)
         if start_pos == 0:
             cut = s - s % r
             kv_state = kv.new_zeros(b, c * r, c * d)
@@ -171,6 +173,43 @@ class CompressorV4:
                 state["kv"][:, :r] = state["kv"][:, r:].clone()
                 state["score"][:, :r] = state["score"][:, r:].clone()
             return pooled
+
+    def _pool_chunk(self, kv: torch.Tensor, score: torch.Tensor, start_pos: int, state: dict,
+                    num: Numerics) -> torch.Tensor | None:
+        """A chunk of a chunked prefill: the open group's tokens (and, with overlap, the last complete group)
+        lead the chunk's, then the groups pool exactly as a one-pass prefill pools them; the state is left as
+        the prefill leaves it."""
+        r, d, c = self.ratio, self.d, self.coff
+        if "kv" not in state:
+            raise RuntimeError(f"compressor layer {self.layer_id}: a prefill chunk at {start_pos} needs the "
+                               "state of the chunks before it")
+        b, s, _ = kv.shape
+        n_open = start_pos % r
+        open_at = r if self.overlap else 0
+        score = score + self.ape[(torch.arange(start_pos, start_pos + s) % r)]
+        kv = torch.cat([state["kv"][:, open_at:open_at + n_open], kv], dim=1)
+        score = torch.cat([state["score"][:, open_at:open_at + n_open], score], dim=1)
+        total = kv.shape[1]
+        cut = total - total % r
+        kv_state = kv.new_zeros(b, c * r, c * d)
+        score_state = kv.new_full((b, c * r, c * d), float("-inf"))
+        if self.overlap:  # the group before the last one this chunk completes is its Ca half
+            if cut >= r:
+                kv_state[:, :r], score_state[:, :r] = kv[:, cut - r:cut], score[:, cut - r:cut]
+            else:
+                kv_state[:, :r], score_state[:, :r] = state["kv"][:, :r], state["score"][:, :r]
+        kv_state[:, open_at:open_at + total - cut] = kv[:, cut:]
+        score_state[:, open_at:open_at + total - cut] = score[:, cut:]
+        prev_kv, prev_score = state["kv"][:, :r], state["score"][:, :r]
+        state["kv"], state["score"] = kv_state, score_state
+        if cut == 0:
+            return None
+        kv = kv[:, :cut].unflatten(1, (-1, r))
+        score = score[:, :cut].unflatten(1, (-1, r))
+        if self.overlap:  # the last complete group before this chunk leads, as group j-1 of the first one
+            kv = self._overlap_windows(torch.cat([prev_kv.unsqueeze(1), kv], dim=1), 0.0)[:, 1:]
+            score = self._overlap_windows(torch.cat([prev_score.unsqueeze(1), score], dim=1), float("-inf"))[:, 1:]
+        return num.f32(lambda v, z: (v * z.softmax(dim=2)).sum(dim=2), kv, score)  # [b, g, d]
 
     def finish(self, pooled: torch.Tensor, positions: torch.Tensor, num: Numerics) -> torch.Tensor:
         """Pooled [b, g, d] -> cache rows: bf16 cast, RMSNorm, RoPE at each group's first position, then the
@@ -227,8 +266,8 @@ class IndexerV4:
         score = num.on_bf16(lambda a, c: torch.einsum("bshd,btd->bsht", a, c), q, K)
         score = num.r(score.relu() * w.unsqueeze(-1))
         score = num.on_bf16(lambda t: t.sum(dim=2), score)
-        if start_pos == 0:
-            visible = (torch.arange(1, s + 1) // r).unsqueeze(-1)  # [s, 1]: query t sees entries j < (t+1)//r
+        if start_pos == 0 or s > 1:  # query t sees entries j < (t+1)//r
+            visible = (torch.arange(start_pos + 1, end_pos + 1) // r).unsqueeze(-1)  # [s, 1]
             score = score.masked_fill(torch.arange(G) >= visible, float("-inf"))
         else:
             visible = torch.tensor(G)

@@ -143,6 +143,15 @@ class Model:
                 images: Sequence[Sequence[ImageSpan]] | None = None) -> ForwardOutput:
         """`images[row]`: the image spans of batch row `row`, laid out in `input_ids` / `token_types` by
         image_processor.layout_prompt; only in the prefill (position 0)."""
+        h, pre, taps = self.trunk(input_ids, state, token_types, images)
+        return ForwardOutput(head_step(self.head, h, pre, state.num), taps)
+
+    @torch.inference_mode()
+    def trunk(self, input_ids: torch.Tensor, state: ModelState, token_types: torch.Tensor | None = None,
+              images: Sequence[Sequence[ImageSpan]] | None = None):
+        """Every layer, no head: -> (h [b, s, hc, d], pre [b, s, hc], DSpark taps [b, s, dim * n_taps] or None).
+        A call continues the state: the prefill at position 0, then decode steps of one token, or the chunks
+        of a chunked prefill (s > 1 at a later position; long_context.py), which equal the one-pass prefill."""
         cfg = self.cfg
         b, s = input_ids.shape
         start_pos = state.next_pos
@@ -154,8 +163,6 @@ class Model:
                 raise ImageInputError(f"forward: images at position {start_pos}; images must lie in the "
                                       "position-0 prefill (§16)")
             merge = self._image_merger(input_ids, token_types, images, state.num)
-        if start_pos > 0 and s != 1:
-            raise ValueError(f"forward: decode at position {start_pos} takes 1 token, got {s} (no chunked prefill, §17.1)")
         if token_types is not None and start_pos > 0 and bool((token_types >= 0).any()):
             raise ValueError("forward: image tokens must lie inside the prefill (§17.1)")
         image_mask = None if token_types is None else token_types >= 0  # §7 step 1
@@ -174,6 +181,5 @@ class Model:
             h, pre = block(h, pre, ctx)
             if L in cfg.dspark_target_layer_ids and tap_output:  # V4: the block's output
                 taps.append(state.num.r(h.mean(dim=2)))
-        logits = head_step(self.head, h, pre, state.num)
         state.next_pos = start_pos + s
-        return ForwardOutput(logits, torch.cat(taps, dim=-1) if taps else None)
+        return h, pre, torch.cat(taps, dim=-1) if taps else None

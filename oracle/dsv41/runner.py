@@ -70,7 +70,9 @@ __all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "
 # ~98 GB tables) are read row by row through Checkpoint.engram_rows.
 WHOLE_TABLE_BYTES = 1 << 30
 # LayerCache fields only the owning layer reads, and only in decode: dropped after the layer (prefill only)
-PREFILL_ONLY_CACHE_FIELDS = ("window_kv", "carry_kv", "carry_score", "ring", "compress_state", "index_state")
+# (window_start: where a chunked prefill's trimmed window begins; the runner's one-pass prefill never trims it)
+PREFILL_ONLY_CACHE_FIELDS = ("window_kv", "window_start", "carry_kv", "carry_score", "ring", "compress_state",
+                             "index_state")
 # Sequences share one MoE call while their pending fp32 state (FFN input and output, the residual stream
 # and the mHC mixes) stays under this many bytes; a longer sequence goes alone.
 MOE_GROUP_BYTES = 1 << 27

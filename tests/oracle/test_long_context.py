@@ -1,0 +1,181 @@
+"""The oracle at long context (issue 39): a chunked prefill through the model's own caches equals the one-pass
+prefill (`Model.forward`, the code path every other oracle test holds), the head runs only on scored rows, and
+the mechanisms live at a position follow the worked examples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.coverage import Mechanism, decode
+from oracle.dsv41.config import ModelConfig
+from oracle.dsv41.engram import tiny_token_map
+from oracle.dsv41.long_context import (ChunkTrace, LongOptions, chunk_bounds, mechanism_masks, prefill_scored,
+                                       run_long)
+from oracle.dsv41.model import Model
+from oracle.dsv41.options import RunnerError
+from oracle.scoring import stats_from_logits
+
+from .dsv41_random_weights import random_weights
+from .dsv4_random_weights import random_weights_v4, small_v4_config
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The oracle's float64 kernels on a shared, loaded 2-core box: one thread is ~10x faster than two."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def _ids(n, seed, vocab):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _chunked_logits(m: Model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Every row's logits through the chunked trunk (the long path's schedule, head on every row here)."""
+    from oracle.dsv41.block import head_step
+    from oracle.dsv41.long_context import chunk_align
+
+    st = m.new_state(1)
+    out = []
+    for a, e in chunk_bounds(ids.shape[1], chunk, chunk_align(m.cfg)):
+        h, pre, _ = m.trunk(ids[:, a:e], st)
+        out.append(head_step(m.head, h, pre, st.num))
+        for cache in st.caches.values():
+            cache.trim_window(m.cfg.window_size - 1)
+    return torch.cat(out, dim=1)
+
+
+@pytest.fixture(scope="module")
+def small_v4():
+    cfg = small_v4_config()
+    return cfg, random_weights_v4(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_v41():
+    cfg = ModelConfig.tiny(max_seq_len=1024)
+    return cfg, random_weights(cfg, seed=0)
+
+
+def test_chunk_bounds_align_and_merge_a_short_rest():
+    assert chunk_bounds(600, 256, 128) == [(0, 256), (256, 600)]          # rest 88 < 128 joins the chunk before
+    assert chunk_bounds(700, 256, 128) == [(0, 256), (256, 512), (512, 700)]
+    assert chunk_bounds(100, 256, 128) == [(0, 100)]
+    with pytest.raises(RunnerError, match="not a multiple of 128"):
+        chunk_bounds(600, 200, 128)
+
+
+@pytest.mark.parametrize("chunk", [8, 48])
+def test_v4_chunked_prefill_equals_one_pass(small_v4, chunk):
+    """Window 8 (trimmed to 7 rows between chunks), ratio 4 with its overlapping compressor and an indexer
+    keeping 3 of up to 60 groups, ratio 8 pooled: 240 tokens in chunks equal the one-pass prefill bit for bit
+    (the ~600-token case on the tiny V4 checkpoint is test_tiny_v4_chunked_equals_one_pass, marked long)."""
+    cfg, w = small_v4
+    m = Model(cfg, w, None)
+    ids = _ids(240, 7, cfg.vocab_size)
+    one = m.forward(ids, m.new_state(1)).logits
+    chunked = _chunked_logits(m, ids, chunk)
+    assert chunked.shape == one.shape
+    diff = (chunked != one).any(-1)[0]
+    assert not diff.any(), f"first differing position {int(diff.nonzero()[0])}"
+
+
+def test_v4_decode_after_chunked_prefill_equals_one_pass(small_v4):
+    """The trimmed window and the compressors' state a chunked prefill leaves are what decode continues from."""
+    cfg, w = small_v4
+    m = Model(cfg, w, None)
+    ids = _ids(120, 8, cfg.vocab_size)
+    one = m.forward(ids, m.new_state(1)).logits
+    st = m.new_state(1)
+    from oracle.dsv41.long_context import chunk_align
+
+    for a, e in chunk_bounds(100, 16, chunk_align(cfg)):
+        m.trunk(ids[:, a:e], st)
+        for cache in st.caches.values():
+            cache.trim_window(cfg.window_size - 1)
+    steps = torch.cat([m.forward(ids[:, p:p + 1], st).logits for p in range(100, 120)], dim=1)
+    assert torch.equal(steps, one[:, 100:120])
+
+
+@pytest.mark.parametrize("index_k", ["upstream", "intended"])
+def test_v41_chunked_prefill_equals_one_pass(tiny_v41, index_k):
+    """V4.1 at test size (§20.1): window 64, ratio-2 and ratio-1 compressed KV shared across layers, indexers
+    keeping 16 with candidate blocks, Engram lookups and DSpark taps: 260 tokens in chunks of 64 (the last 68)
+    equal the one-pass prefill bit for bit, taps included."""
+    cfg, w = tiny_v41
+    m = Model(cfg, w, tiny_token_map(cfg.vocab_size), index_k=index_k, with_mtp=False)
+    ids = _ids(260, 9, cfg.vocab_size)
+    one = m.forward(ids, m.new_state(1))
+    st = m.new_state(1)
+    logits, taps = [], []
+    from oracle.dsv41.block import head_step
+
+    for a, e in chunk_bounds(260, 64, 2):
+        h, pre, tp = m.trunk(ids[:, a:e], st)
+        logits.append(head_step(m.head, h, pre, st.num))
+        taps.append(tp)
+        for cache in st.caches.values():
+            cache.trim_window(cfg.window_size - 1)
+    assert torch.equal(torch.cat(logits, 1), one.logits)
+    assert torch.equal(torch.cat(taps, 1), one.main_hidden)
+
+
+def test_scored_head_never_sees_more_than_the_scored_rows(small_v4):
+    """Memory is bounded by shapes, not timings: the head runs on each chunk's scored rows only, never on
+    [S, V]; the stats equal those of the one-pass logits at the same rows."""
+    cfg, w = small_v4
+    m = Model(cfg, w, None)
+    ids = _ids(400, 10, cfg.vocab_size)
+    scored = np.array([5, 9, 130, 131, 250, 399])
+    heads = []
+    real_head = m.head
+
+    class Recording:
+        def logits(self, h, pre, num):
+            heads.append(tuple(h.shape))
+            return real_head.logits(h, pre, num)
+
+    m.head = Recording()
+    traces: list[ChunkTrace] = []
+    stats, _ = prefill_scored(m, ids[0].tolist(), scored, 64, top_k=5, on_chunk=traces.append)
+    m.head = real_head
+    assert sum(t.head_rows for t in traces) == scored.size
+    assert all(shape[1] == t.head_rows for shape, t in zip(heads, [t for t in traces if t.head_rows]))
+    assert max(shape[1] for shape in heads) == 2   # of 64-row chunks
+    one = m.forward(ids, m.new_state(1)).logits[0]
+    want = stats_from_logits(one[torch.from_numpy(scored - 1)], ids[0, scored].numpy(), 5, False)
+    assert np.array_equal(stats.topk_ids, want.topk_ids)
+    assert np.array_equal(stats.topk_logprobs, want.topk_logprobs)
+    assert np.array_equal(stats.actual_logprob, want.actual_logprob)
+
+
+def test_mechanisms_on_the_worked_example():
+    """The tiny V4 checkpoint's shape: window 128, ratios 0/4/128/4, index_topk 512."""
+    cfg = small_v4_config(window_size=128, compress_ratios=(0, 4, 128, 4, 0), index_topk=512)
+    rows = np.array([50, 127, 128, 200, 2050, 2051, 5000])
+    got = [decode(m) for m in mechanism_masks(cfg, rows)]
+    W, R4, R128, IDX = (Mechanism.WINDOW_FULL_EVICTING, Mechanism.COMPRESSED_R4, Mechanism.COMPRESSED_R128,
+                        Mechanism.INDEXER_PRUNING)
+    assert got[0] == {R4}                       # 13 ratio-4 groups, window not full, no ratio-128 group yet
+    assert got[1] == {R4, R128}                 # the first ratio-128 group completes at row 127
+    assert got[2] == {R4, R128, W}              # row 128: key 0 has left the 128-key window
+    assert got[3] == {R4, R128, W}              # position 200 evicts, position 50 does not
+    assert IDX not in got[4]                    # (2050 + 1) // 4 = 512 groups: top-512 keeps all
+    assert got[5] == got[6] == {R4, R128, W, IDX}   # 513 groups > 512: the indexer prunes
+    v41 = ModelConfig.tiny()
+    live = [decode(m) for m in mechanism_masks(v41, np.array([0, 40]))]
+    assert Mechanism.ENGRAM_LOOKUP not in live[0] and Mechanism.ENGRAM_LOOKUP in live[1]
+    assert all(Mechanism.DSPARK_TAPS in x for x in live)
+    assert Mechanism.INDEXER_PRUNING in live[1]     # ratio 2, 20 groups > index_topk 16
+
+
+def test_long_options_refuse_nonsense():
+    with pytest.raises(RunnerError, match="precision"):
+        LongOptions(precision="fp16")
+    with pytest.raises(RunnerError, match="at least 2"):
+        LongOptions(chunk=1)
+    assert callable(run_long)
