@@ -31,6 +31,19 @@ def _mask_from_spans(
     return mask
 
 
+def _mask_from_positions(item: PanelItem, n_ids: int, tok: PanelTokenizer) -> list[bool]:
+    """A long item is built to an exact token count in one tokenizer: another count means another tokenizer,
+    whose positions would not be the chosen depths, so it is refused rather than scored."""
+    if n_ids != item.tokens:
+        raise ChatFormatError(f"item '{item.id}': built to {item.tokens} tokens, but tokenizer '{tok.name}' "
+                              f"({tok.source}) gives {n_ids}; long panels are built for the DeepSeek tokenizer "
+                              "(panels/long.py)")
+    mask = [False] * n_ids
+    for p in item.positions:
+        mask[p] = True
+    return mask
+
+
 def encode_item(item: PanelItem, tok: PanelTokenizer, *, allow_split_markers: bool = False) -> EncodedSequence:
     return _encode_item(item, tok, allow_split_markers)[0]
 
@@ -45,7 +58,10 @@ def _encode_item(item: PanelItem, tok: PanelTokenizer, allow_split_markers: bool
         else:
             enc = tk.encode(item.text, add_special_tokens=True)
         ids = list(enc.ids)
-        mask = [i > 0 for i in range(len(ids))]
+        if item.score == "positions":
+            mask = _mask_from_positions(item, len(ids), tok)
+        else:
+            mask = [i > 0 for i in range(len(ids))]
     else:
         rendered = chat_spans(tok.chat_format, item)
         split = [m for m in tok.missing_markers() if m in rendered.text]

@@ -21,8 +21,10 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 #   assistant  the tokens of every assistant message (content, tool calls, end-of-turn marker)
 #   last       only the final assistant message
 #   after_images  image panels: every text position after the first image (panels/images.py)
-ScorePolicy = Literal["all", "assistant", "last", "after_images"]
-SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last")   # what a text panel file may name
+#   positions  raw items built to an exact token length (`tokens`): only the listed positions (long panels,
+#              chosen per depth bucket: panels/long.py)
+ScorePolicy = Literal["all", "assistant", "last", "after_images", "positions"]
+SCORE_POLICIES: tuple[str, ...] = ("all", "assistant", "last", "positions")   # what a text panel file may name
 
 
 class PanelError(UserError, ValueError):
@@ -127,6 +129,8 @@ class PanelItem:
     tools: tuple[ToolSpec, ...] = ()
     lang: str | None = None
     readback: str | None = None   # image panels: the string rendered in the item's image (the read-back check)
+    tokens: int | None = None     # score "positions": the exact token count the text was built to
+    positions: tuple[int, ...] = ()   # score "positions": the scored positions, increasing, in [1, tokens)
 
     @property
     def images(self) -> tuple[str, ...]:
@@ -144,6 +148,9 @@ class PanelItem:
             out["lang"] = self.lang
         if self.readback is not None:
             out["readback"] = self.readback
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+            out["positions"] = list(self.positions)
         return out
 
 

@@ -125,12 +125,17 @@ def parse_item(obj: Any, where: str) -> PanelItem:
     if lang is not None and not isinstance(lang, str):
         raise PanelError(f"{where}: 'lang' must be a string")
     if kind == "raw":
-        _check_keys(obj, {"id", "domain", "kind", "score", "text", "lang"}, where)
+        _check_keys(obj, {"id", "domain", "kind", "score", "text", "lang", "tokens", "positions"}, where)
         text = _need(obj, "text", str, where)
         if not text.strip():
             raise PanelError(f"{where}: empty text")
-        if score != "all":
-            raise PanelError(f"{where}: raw items are scored with 'all', got '{score}'")
+        if score == "positions":
+            tokens, positions = _parse_positions(obj, where)
+            return PanelItem(id=item_id, domain=domain, kind="raw", score="positions", text=text, lang=lang,
+                             tokens=tokens, positions=positions)
+        if score != "all" or "tokens" in obj or "positions" in obj:
+            raise PanelError(f"{where}: raw items are scored with 'all' (or 'positions' with 'tokens' and "
+                             f"'positions'), got '{score}'")
         return PanelItem(id=item_id, domain=domain, kind="raw", score="all", text=text, lang=lang)
     if kind == "chat":
         _check_keys(obj, {"id", "domain", "kind", "score", "messages", "tools", "lang"}, where)
@@ -151,6 +156,22 @@ def parse_item(obj: Any, where: str) -> PanelItem:
         _check_tool_ids(msgs, tools, where)
         return PanelItem(id=item_id, domain=domain, kind="chat", score=score, messages=msgs, tools=tools, lang=lang)
     raise PanelError(f"{where}: unknown kind '{kind}'; expected 'raw' or 'chat'")
+
+
+def _parse_positions(obj: dict[str, Any], where: str) -> tuple[int, tuple[int, ...]]:
+    """A long item's exact token count and its scored positions: increasing, each in [1, tokens)."""
+    tokens = _need(obj, "tokens", int, where)
+    raw = _need(obj, "positions", list, where)
+    if tokens < 2:
+        raise PanelError(f"{where}: 'tokens' must be at least 2, got {tokens}")
+    if not raw or not all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
+        raise PanelError(f"{where}: 'positions' must be a non-empty list of integers")
+    for k, p in enumerate(raw):
+        if not 1 <= p < tokens:
+            raise PanelError(f"{where}: positions[{k}] = {p} is outside [1, {tokens - 1}]")
+        if k and p <= raw[k - 1]:
+            raise PanelError(f"{where}: positions[{k}] = {p} does not increase (after {raw[k - 1]})")
+    return tokens, tuple(raw)
 
 
 def _check_tool_ids(msgs: tuple[Message, ...], tools: tuple[ToolSpec, ...], where: str) -> None:
@@ -215,7 +236,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise PanelError(f"{path}: a manifest must be a JSON object")
     where = str(path)
-    _check_keys(obj, {"name", "version", "file", "content_hash", "description", "domains"}, where)
+    # `sources`: where a panel's text comes from, its version and licence (long@1; display only, not hashed)
+    _check_keys(obj, {"name", "version", "file", "content_hash", "description", "domains", "sources"}, where)
     _need(obj, "name", str, where)
     version = _need(obj, "version", int, where)
     if version < 1:
