@@ -377,3 +377,25 @@ def test_on_a_real_gate_runs_results_an_xfail_after_a_pass_is_a_named_regression
     assert [(f.kind, f.name) for f in second.findings] == [
         ("regression", "gates.test_prefix_cache::test_prefix_cache")]
     assert "xfailed now" in second.findings[0].detail
+
+
+def test_the_aggregation_reads_the_node_ids_pytest_collects_for_a_flag(tmp_path):
+    """What pytest really collects for `--flag no_prefix_cache` (exact: bitwise_panel, bitwise_greedy) is what
+    core.results reads a flag gate's outcome from: every such node, errored, makes each expected gate ERROR."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "gates/test_flag_ab.py", "-m", "gate", "-p",
+                           "no:cacheprovider", "--flag", FLAG, "--flag-registry", str(CPU_REGISTRY), "--collect-only",
+                           "-q", "--results", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=False)
+    nodes = [line for line in proc.stdout.splitlines() if line.startswith(AB)]
+    assert len(nodes) == 3, proc.stdout + proc.stderr
+    run = GateResults()
+    for nodeid in nodes:
+        run = run.with_outcome(GateOutcome(nodeid, nodeid.split("::")[1], "error", "setup", "engine died"))
+    assert run.flags_seen() == (FLAG,)
+    agg = run.flag_aggregate(FLAG, ("bitwise_panel", "bitwise_greedy"))
+    assert {t.gate: t.state for t in agg.gates} == {"flag_registered": "error", "bitwise_panel": "error",
+                                                   "bitwise_greedy": "error"}
+    assert agg.verdict == "ERROR"
