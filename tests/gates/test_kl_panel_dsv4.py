@@ -210,3 +210,17 @@ def test_the_profile_is_gated_on_the_deepseek_panel_with_the_deepseek_encoding()
     assert chat.token_ids[first_scored - 1] == tok.token_to_id("</think>")   # chat mode: reply after </think>
     with pytest.raises(ValueError, match="oracle 'jax'"):
         pipeline.ensure_reference(enc, Path("/nonexistent"), oracle="jax")
+
+
+@pytest.mark.engine
+def test_long_context_gate_on_the_real_engine(dsv4_url, tmp_path):
+    """Issue 39, the CI long-context case on the module's server: decode 32 tokens after a prompt past 2,048 tokens
+    (the tiny V4's indexer prunes there, the window evicts, the ratio-128 compressor has emitted entries) against the
+    engine's one-pass prefill of the same ids (gates/test_long_context.py; the 4K / 16K cases are `long`)."""
+    rc, out, results = _gate_session(dsv4_url, tmp_path / "results", "-k", "long_prefill_self_consistency and not deep",
+                                     files=("test_long_context.py",))
+    gate = results.gate("long_self_consistency")
+    assert gate is not None and gate.profile == PROFILE, out[-4000:]
+    assert gate.passed, gate.failures
+    assert gate.metrics["positions"] == 32 and gate.evidence["prompts"][0]["prompt_tokens"] > 2048 + 3
+    assert [o.outcome for o in results.outcomes] == ["passed"] and rc == 0, out[-4000:]

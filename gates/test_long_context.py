@@ -1,0 +1,157 @@
+"""Gate: DeepSeek attention at depth (issue 39) — decode after a long prefill against the engine's own one-pass
+prefill of the same tokens, where the tiny V4's sliding window (128) is full and evicting, the ratio-128
+compressor has emitted entries and, past 2,048 tokens, the indexer (top-512 of the ratio-4 entries) prunes.
+
+The rule is the self-consistency gate's (gates.md §4, gates/lib/selfconsistency.py): two greedy decodes with top-k
+logprobs after the prompt, two prefills of prompt + decode 1's ids, KL_part(prefill ‖ decode) per region against a
+band from the engine's own run-to-run spread (the profile's self-consistency floors). The prompts are the bench
+set's real prose filler cut to an exact token count (panels.bench.prefill_prompt: a salted system turn, so no two
+requests share a cache block). Lengths per profile in the ``[long_context]`` sizes table: ``ci_lengths`` run in CI
+(on vllm-cpu-dsv4 one prompt past 2,048 tokens), ``long_lengths`` (4K, 16K) carry the ``long`` marker and run in
+the nightly. A profile with no lengths, or whose ``max_model_len`` cannot hold them, is not applicable here
+(recorded as such, xfail), never a PASS.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from core.results import GateEntry, headline
+from gates import _engine
+from gates.lib import selfconsistency as sc
+
+pytestmark = [pytest.mark.gate, pytest.mark.engine]
+
+
+def _prompt(tok, n_tokens: int) -> tuple[int, ...]:
+    from panels.bench import prefill_prompt
+
+    chat = not tok.missing_markers()   # DeepSeek-V4 has no system-turn marker: the raw form, salt after BOS
+    return tuple(int(t) for t in prefill_prompt(tok, n_tokens, salt=f"longctx{n_tokens:06d}", chat=chat).token_ids)
+
+
+def _band(gate_config, profile: str, flags: tuple[str, ...]) -> sc.Band:
+    cfg = gate_config["selfconsistency"]
+    floors = cfg.get("floors", {})
+    key = "+".join([profile, *sorted(flags)])
+    mean, worst = floors.get(key, floors.get(profile, (cfg["floor_mean"], cfg["floor_worst"])))
+    return sc.Band(cfg["spread_factor"], float(mean), float(worst), cfg["top1_decided_min"], cfg["min_positions"])
+
+
+def _run_lengths(lengths, gate_name, engine_client, engine_facts, engine_endpoint, gate_config, gate_tokenizer,
+                 gate_results):
+    cfg = gate_config["long_context"]
+    n, k = cfg["max_tokens"], cfg["k"]
+    profile = engine_endpoint.profile
+    limit = engine_facts["max_model_len"]
+    if not lengths or limit is None or max(lengths) + n > limit:
+        why = (f"no long-context lengths configured for profile {profile!r} ([long_context] of its sizes file)"
+               if not lengths else f"max_model_len {limit} cannot hold {max(lengths)} + {n} tokens")
+        gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,), evidence={"config": cfg}))
+        pytest.xfail(f"{gate_name} not applicable: {why}")
+    runs, seconds = [], {}
+    for length in lengths:
+        ids = _prompt(gate_tokenizer, length)
+        assert len(ids) <= length and len(ids) > 0.95 * length, (len(ids), length)
+        t0 = time.perf_counter()
+        d1 = _engine.complete(engine_client, ids, n, k, seq_id=f"long-{length}-d1")
+        d2 = _engine.complete(engine_client, ids, n, k, seq_id=f"long-{length}-d2")
+        t1 = time.perf_counter()
+        rows = []
+        for rep in (1, 2):
+            got = engine_client.prompt_logprobs(list(ids) + list(d1.token_ids), k, seq_id=f"long-{length}-p{rep}")
+            rows.append(tuple(got.positions[len(ids) - 1:]))   # rows are positions 1..n-1
+        seconds[str(length)] = {"two_decodes_s": round(t1 - t0, 1), "two_prefills_s": round(time.perf_counter() - t1, 1)}
+        assert len(d1.positions) == n, f"{length}: decode gave {len(d1.positions)} steps, asked {n}"
+        runs.append(sc.PromptRuns(f"prose-{len(ids)}", "prose", len(ids), (d1.positions, d2.positions),
+                                  (rows[0], rows[1])))
+    res = sc.judge(runs, _band(gate_config, profile, engine_endpoint.flags), block=engine_facts["block_size"])
+    gate_results.add(GateEntry(gate_name, res.passed, profile=profile, failures=res.failures,
+                               metrics=headline(res.summary),
+                               evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
+                                         "seconds": seconds, "max_model_len": limit, "config": cfg}))
+    rows = [{k: r[k] for k in ("region", "positions", "kl_part_mean", "kl_part_max", "top1_decided",
+                              "spread_mean", "band", "pass")} for r in res.rows]
+    gate_results.add_section(f"Long context: decode after a long prefill vs one-pass prefill ({gate_name})", rows,
+                             f"{profile}: prompts of {[r.prompt_len for r in runs]} tokens, {n} generated tokens "
+                             f"each; worst prompt mean {res.summary.get('worst_prompt_mean', float('nan')):.3g} "
+                             f"(band {res.summary.get('band_worst', float('nan')):.3g}); seconds {seconds}")
+    assert res.summary["positions"] == n * len(runs)
+    assert res.passed, f"{gate_name} failed:\n" + "\n".join(res.failures)
+
+
+def test_long_prefill_self_consistency(engine_client, engine_facts, engine_endpoint, gate_config, gate_tokenizer,
+                                       gate_results):
+    """CI: the profile's ci_lengths (vllm-cpu-dsv4: one prompt past 2,048 tokens, so the indexer prunes)."""
+    _run_lengths(gate_config["long_context"]["ci_lengths"], "long_self_consistency", engine_client, engine_facts,
+                 engine_endpoint, gate_config, gate_tokenizer, gate_results)
+
+
+@pytest.mark.long
+def test_long_prefill_self_consistency_deep(engine_client, engine_facts, engine_endpoint, gate_config,
+                                            gate_tokenizer, gate_results):
+    """Nightly: the profile's long_lengths (vllm-cpu-dsv4: 4K and 16K)."""
+    _run_lengths(gate_config["long_context"]["long_lengths"], "long_self_consistency_deep", engine_client,
+                 engine_facts, engine_endpoint, gate_config, gate_tokenizer, gate_results)
+
+
+# --------------------------------------------------------------------------------------------------- KL at depth
+
+def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+    """The engine against the oracle's long-context reference of long@1's items of ``lengths`` tokens, judged per
+    depth bucket (core.metrics.by_depth, the profile's [depth] bands); the reference's mechanism masks join the
+    session's coverage (ds41gates/coverage.py), and the per-bucket KL table and the coverage table go to the report."""
+    from core.bands import judge_depth, load_depth_bands
+    from core.metrics import position_metrics
+    from core.metrics.by_depth import depth_reports, depth_rows
+    from ds41gates import pipeline
+    from ds41gates.coverage import add_reference
+    from engine.endpoint import DEFAULT_ENGINE_K, score_engine
+    from panels import encode_panel, load_panel
+    from panels.long import select
+
+    profile = engine_endpoint.profile
+    limit = engine_facts["max_model_len"]
+    if not lengths or limit is None or max(lengths) > limit:
+        why = (f"no long@1 lengths configured for profile {profile!r}" if not lengths
+               else f"max_model_len {limit} cannot hold {max(lengths)} tokens")
+        gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,)))
+        pytest.xfail(f"{gate_name} not applicable: {why}")
+    encoded = encode_panel(select(load_panel("long"), lengths=lengths), gate_target.tokenizer)
+    t0 = time.perf_counter()
+    ref, _ = pipeline.ensure_reference(encoded, gate_target.model_dir, oracle=gate_target.oracle,
+                                       precision=gate_target.precision)
+    t1 = time.perf_counter()
+    eng = score_engine(engine_endpoint, encoded, DEFAULT_ENGINE_K)
+    t2 = time.perf_counter()
+    add_reference(gate_results, f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{lengths}", ref)
+    reports = depth_reports(ref, position_metrics(ref, eng))
+    verdict = judge_depth(reports, load_depth_bands(profile, gate_target.bands), profile)
+    rows = depth_rows(reports)
+    for row, v in zip(rows, verdict.domains):
+        row["verdict"] = "pass" if v.passed else "FAIL"
+        row["why"] = "; ".join(v.failures)
+    gate_results.add(GateEntry(gate_name, verdict.passed, profile=profile, failures=verdict.failures(),
+                               metrics={f"kl_part_mean[{r['bucket']}]": float(r["kl_part_mean"]) for r in rows},
+                               evidence={"buckets": rows, "lengths": list(lengths),
+                                         "seconds": {"reference": round(t1 - t0, 1), "engine": round(t2 - t1, 1)}}))
+    gate_results.add_section(f"Long context: KL / top-1 per depth bucket against the oracle ({gate_name})", rows,
+                             f"{profile} vs the {gate_target.oracle} oracle ({gate_target.precision}) on long@1 items "
+                             f"of {list(lengths)} tokens; bands per bucket: [depth.{profile}] in {gate_target.bands}")
+    assert rows and sum(r["positions"] for r in rows if r["bucket"] != "last256") == len(ref.pos_index)
+    assert verdict.passed, f"{gate_name} failed:\n" + "\n".join(verdict.failures())
+
+
+def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+    """CI: long@1's items of the profile's kl_lengths (vllm-cpu-dsv4: 2,560 tokens, past the indexer's 2,048)."""
+    _kl_by_depth(gate_config["long_context"]["kl_lengths"], "long_kl_by_depth", engine_endpoint, engine_facts,
+                 gate_target, gate_config, gate_results)
+
+
+@pytest.mark.long
+def test_long_kl_by_depth_deep(engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+    """Nightly: long@1's items of the profile's long_kl_lengths (vllm-cpu-dsv4: 16K)."""
+    _kl_by_depth(gate_config["long_context"]["long_kl_lengths"], "long_kl_by_depth_deep", engine_endpoint,
+                 engine_facts, gate_target, gate_config, gate_results)
