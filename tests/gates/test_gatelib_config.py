@@ -8,7 +8,7 @@ from gates.conftest import CONFIG, load_gate_config
 def test_production_config_overrides_ci_sizes():
     ci = load_gate_config()
     prod = load_gate_config(CONFIG.with_name("config-production.toml"))
-    assert set(ci) == {"selfconsistency", "batch", "prefix", "needles", "specdec", "bench", "evals"}
+    assert set(ci) == {"selfconsistency", "batch", "prefix", "needles", "specdec", "bench", "evals", "long_context"}
     assert prod["needles"]["lengths"][-1] == 1_048_576 and max(ci["needles"]["lengths"]) < 2048
     assert prod["bench"]["max_tokens"] > ci["bench"]["max_tokens"]
     assert ci["prefix"]["passes"] >= 2 and prod["prefix"]["eviction_pass"]
