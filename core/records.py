@@ -27,6 +27,10 @@ from core.redact import redact
 FORMAT_VERSION = "ds41-record/1"
 CLAMP_LOGPROB = -9999.0  # vLLM clamps -inf to -9999.0 (engines.md §3.3)
 LOGPROB_SLACK = 1e-6     # a logprob above this is not log of a probability (float rounding stays below)
+# Σ exp(logprob) over a position's top-k and its actual token is a part of one distribution: at most 1. fp32
+# logprobs (vLLM, llama.cpp, the oracle) sum to within ~1e-6 of it; past this slack the numbers are not
+# probabilities, and every KL computed from them is meaningless (a negative mean KL_part reached a report)
+TOPK_MASS_SLACK = 1e-4
 
 Side = Literal["oracle", "engine"]
 
@@ -164,6 +168,35 @@ def _validate_sequence(s: SequenceScores, k: int) -> None:
         if (np.diff(dup, axis=1) == 0).any():
             i = int(np.argwhere(np.diff(dup, axis=1) == 0)[0][0])
             raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: duplicate id in top-k")
+    excess = topk_mass_excess(ids, lp, tok[positions], actual)
+    if excess is not None:
+        i, mass = excess
+        raise RecordError(f"{_where(s.seq_id, int(positions[i]))}: {_mass_message(mass)}")
+
+
+def topk_mass_excess(topk_ids: np.ndarray, topk_logprobs: np.ndarray, actual_ids: np.ndarray,
+                     actual_logprob: np.ndarray) -> tuple[int, float] | None:
+    """(row, mass) of the first position whose probability mass — Σ exp over its top-k (padding left out) and
+    its actual token when that is not among them — exceeds 1 + TOPK_MASS_SLACK; None when every row is a part
+    of a distribution. Ids are assumed distinct within a row (checked separately)."""
+    ids, actual = np.asarray(topk_ids), np.asarray(actual_ids)
+    for lo in range(0, len(ids), 8192):      # in row blocks: a k=256 reference stays a few MiB of temporaries
+        rows = slice(lo, lo + 8192)
+        with np.errstate(over="ignore", invalid="ignore"):
+            block = np.asarray(topk_logprobs[rows], dtype=np.float64)
+            mass = np.where(ids[rows] >= 0, np.exp(block), 0.0).sum(axis=1)
+            outside = ~(ids[rows] == actual[rows, None]).any(axis=1)
+            mass += np.where(outside, np.exp(np.asarray(actual_logprob[rows], dtype=np.float64)), 0.0)
+        over = mass > 1.0 + TOPK_MASS_SLACK
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            return lo + i, float(mass[i])
+    return None
+
+
+def _mass_message(mass: float) -> str:
+    return (f"top-k probability mass {mass:.6g} > 1 (Σ exp(logprob) over the top-k and the actual token; slack "
+            f"{TOPK_MASS_SLACK:g}): these logprobs are not one distribution")
 
 
 def _side(rec: "Record") -> str:
@@ -610,6 +643,10 @@ class Record:
             if dup.any():
                 i = int(np.argwhere(dup)[0][0])
                 raise RecordError(f"{at(i)}: duplicate id in top-k")
+        excess = topk_mass_excess(ids, lp, self.actual_ids(), actual)
+        if excess is not None:
+            i, mass = excess
+            raise RecordError(f"{at(i)}: {_mass_message(mass)}")
         if np.any(self.actual_rank < 1):
             i = int(np.flatnonzero(self.actual_rank < 1)[0])
             raise RecordError(f"{at(i)}: actual-token rank {int(self.actual_rank[i])}; ranks start at 1")

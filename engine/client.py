@@ -41,8 +41,8 @@ from engine.adapters.base import (
     check_id_range, need, strict_json,
 )
 from engine.errors import (
-    EngineBodyRefused, EngineLimitExceeded, EngineRedirectRefused, EngineRequestRejected, EngineResponseError,
-    EngineTransportError, Malformed, UnsupportedSurface,
+    EngineBodyRefused, EngineIdentityChanged, EngineLimitExceeded, EngineRedirectRefused, EngineRequestRejected,
+    EngineResponseError, EngineTransportError, Malformed, UnsupportedSurface,
 )
 
 T = TypeVar("T")
@@ -66,6 +66,24 @@ def _split_body(fields: frozenset[str], body: Mapping[str, Any]) -> tuple[dict, 
 # ---------------------------------------------------------------------------------------------- the engine's origin
 MAX_MODEL_NAME = 512           # characters; a served model name is an id or a path, never a document
 BYTES_PER_ENTRY = 256          # generous size of one logprob entry in any engine's JSON (id, logprob, rank, text)
+
+
+# what names the engine that answered: the served model id and vLLM's system_fingerprint (a hash of its whole
+# configuration, on every non-streamed answer) from the body, and the Server header
+IDENTITY_FIELDS = ("model", "system_fingerprint")
+
+
+def engine_identity(data: Any, headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The identity an answer carries, as sorted (name, value) pairs; () when it carries none."""
+    ident = {f: data[f][:200] for f in IDENTITY_FIELDS if isinstance(data, dict) and isinstance(data.get(f), str)}
+    server = headers.get("server")
+    if server:
+        ident["server"] = server[:200]
+    return tuple(sorted(ident.items()))
+
+
+def describe_identity(ident: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in ident) or "an engine that names itself nowhere"
 
 
 def origin_of(url: httpx.URL | str) -> str:
@@ -319,6 +337,7 @@ class EngineClient:
         self._chat_fields = _create_fields(self._openai.chat.completions.create)
         self._lock = threading.Lock()
         self.attempts = 0   # total HTTP attempts made (observability; tests)
+        self._identities: list[tuple[tuple[tuple[str, str], ...], str | None]] = []   # (identity, seq_id) per answer
 
     def close(self) -> None:
         self._openai.close()
@@ -332,6 +351,23 @@ class EngineClient:
     # ------------------------------------------------------------------ transport
     def _url(self, path: str) -> str:
         return self.root + "/" + path.lstrip("/")
+
+    def identity_mark(self) -> int:
+        """A mark for `identities_since`: the answers from here on."""
+        with self._lock:
+            return len(self._identities)
+
+    def identities_since(self, mark: int) -> list[tuple[tuple[tuple[str, str], ...], str | None]]:
+        """Each distinct engine identity among the JSON answers since `mark`, with the first sequence it answered."""
+        with self._lock:
+            seen: dict = {}
+            for ident, seq_id in self._identities[mark:]:
+                seen.setdefault(ident, seq_id)
+            return list(seen.items())
+
+    def _note_identity(self, data: Any, headers: Mapping[str, str], seq_id: str | None) -> None:
+        with self._lock:
+            self._identities.append((engine_identity(data, headers), seq_id))
 
     def answered_by(self) -> tuple[list[str], list[str]]:
         """The origins (``scheme://host:port``) and peer addresses (``ip:port``) that have answered this client."""
@@ -384,6 +420,7 @@ class EngineClient:
             data = strict_json(raw, url)
         except EngineResponseError as exc:
             raise exc.at(seq_id, url) from None
+        self._note_identity(data, resp.headers, seq_id)
         return JsonReply(data, elapsed, url)
 
     def get(self, path: str) -> httpx.Response:
@@ -617,6 +654,7 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     t0 = time.perf_counter()
 
     failed = threading.Event()   # set by the first failing sequence: later ones are not sent at all
+    mark = client.identity_mark()
 
     def one(seq: _EncodedSequence) -> SequenceLogprobs:
         if failed.is_set():
@@ -648,6 +686,10 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     for r in results:
         timing = timing + r.timing
     cached = [r.cached_tokens for r in results]
+    identities = client.identities_since(mark)
+    if len(identities) > 1:   # one record = one engine: its identity must not change between sequences
+        (a, a_seq), (b, b_seq) = identities[:2]
+        raise EngineIdentityChanged(client.root, (str(a_seq), describe_identity(a)), (str(b_seq), describe_identity(b)))
     origins, peers = client.answered_by()
     if origins != [client.origin]:   # by construction (no redirect leaves the origin); a verdict is bound to it
         raise EngineTransportError("answer from another origin", client.origin, 1,
@@ -671,6 +713,7 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
             "requests": timing.requests,
             "answered_by": origins,          # scheme://host:port of every answer (credentials never included)
             "answered_peers": peers,         # ip:port the answers came from
+            "answered_as": dict(identities[0][0]) if identities else {},   # the one engine identity it answered as
             **({"vocab_size": int(vocab)} if vocab else {}),
         },
     )

@@ -103,6 +103,20 @@ class EngineTransportError(EngineError):
         super().__init__(f"engine {what}{code} at {url}{seq} after {attempts} attempt(s): {detail}")
 
 
+class EngineIdentityChanged(EngineError):
+    """The answers of one record came from engines of different identities (the model id, the
+    ``system_fingerprint`` or the ``Server`` header changed between sequences): two engines behind one port, or
+    one restarted with another configuration mid-record. A record holds the answers of one engine."""
+
+    def __init__(self, url: str, first: tuple[str, str], second: tuple[str, str]):
+        self.url = url
+        self.first = first
+        self.second = second
+        super().__init__(f"two engines answered one record at {url}: sequence {first[0]!r} was answered by "
+                         f"{first[1]}, sequence {second[0]!r} by {second[1]}; a record holds the answers of one "
+                         "engine (a load balancer or a restart behind this URL?)")
+
+
 class EngineRequestRejected(EngineError):
     """The engine refused the request (HTTP 4xx): not retried, the message says why."""
 

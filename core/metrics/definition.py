@@ -21,6 +21,9 @@ from core.records import Record, RecordError
 REST_FLOOR = 1e-12          # §2.2: below this a rest mass counts as empty (P) or is floored (Q)
 NEAR_TIE_DELTA = 0.05       # §1: a position is a near-tie when ln p(1) - ln p(2) < δ (nats)
 R20_SUPPORT = 20            # §2.3: the oracle's top-20 ids
+# a KL below −this at a position is impossible, not rounding: records pass the top-k mass check
+# (core.records.TOPK_MASS_SLACK), so a partition KL can dip below 0 by about that slack and no more
+KL_NEGATIVE_SLACK = 2e-4
 CONFIDENCE_EDGES = (0.0, 0.25, 0.5, 0.75, 0.95, 1.0)  # §2.4: buckets of the oracle top-1 probability
 CONFIDENCE_LABELS = ("[0,.25)", "[.25,.5)", "[.5,.75)", "[.75,.95)", "[.95,1]")
 
@@ -71,6 +74,21 @@ def refuse_bad_values(rec: Record, role: str) -> None:
             s = int(rec.pos_seq[flat])
             raise RecordError(f"{role} record: sequence {rec.seq_ids[s]!r} position {int(rec.pos_index[flat])}: "
                               f"{name} holds {arr.reshape(len(arr), -1)[flat].tolist()} (NaN or +inf)")
+
+
+def refuse_impossible_kl(pm: PositionMetrics, ref: Record) -> PositionMetrics:
+    """`pm` unchanged, or RecordError naming the first sequence and position whose KL_part or KL_r20 is below
+    −KL_NEGATIVE_SLACK: a KL is never negative, so such a number says the inputs are not distributions and no
+    mean of it may reach a report."""
+    for name in ("kl_part", "kl_r20"):
+        values = getattr(pm, name)
+        bad = values < -KL_NEGATIVE_SLACK        # NaN (undefined KL_r20) compares False
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise RecordError(f"{name} {float(values[i]):.6g} < 0 at sequence {ref.seq_ids[int(ref.pos_seq[i])]!r} "
+                              f"position {int(ref.pos_index[i])} (slack {KL_NEGATIVE_SLACK:g}): a KL divergence "
+                              "cannot be negative; the reference or the engine record is not a distribution")
+    return pm
 
 
 class PartitionKL(NamedTuple):
@@ -218,7 +236,7 @@ def definition_position_metrics(ref: Record, eng: Record) -> PositionMetrics:
     def column(get, dtype):
         return np.fromiter((get(r) for r in rows), dtype=dtype, count=n)
 
-    return PositionMetrics(
+    return refuse_impossible_kl(PositionMetrics(
         seq=ref.pos_seq.copy(),
         domain=ref.position_domains(),
         kl_part=column(lambda r: r.partition.kl, np.float64),
@@ -238,4 +256,4 @@ def definition_position_metrics(ref: Record, eng: Record) -> PositionMetrics:
         delta_p=column(lambda r: r.delta_p, np.float64),
         ambiguous=(np.asarray(eng.ambiguous, dtype=bool).copy() if eng.ambiguous is not None
                    else np.zeros(n, dtype=bool)),        # engines.md §10: string-keyed surface collisions
-    )
+    ), ref)

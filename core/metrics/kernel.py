@@ -23,7 +23,8 @@ import math
 import numba
 import numpy as np
 
-from core.metrics.definition import (R20_SUPPORT, REST_FLOOR, PositionMetrics, refuse_bad_values)
+from core.metrics.definition import (R20_SUPPORT, REST_FLOOR, PositionMetrics, refuse_bad_values,
+                                     refuse_impossible_kl)
 from core.records import Record, RecordError
 
 CHUNK_ROWS = 2048  # rows per exp buffer: 2048 × (20 + 20) float64 ≈ 0.65 MB, cache-resident
@@ -317,10 +318,10 @@ def kernel_position_metrics(ref: Record, eng: Record, chunk_rows: int = CHUNK_RO
             refuse_bad_values(ref, "reference")
             refuse_bad_values(eng, "engine")
             raise RecordError(f"position row {bad}: NaN or +inf logprob")  # unreachable: the checks above name it
-    return PositionMetrics(
+    return refuse_impossible_kl(PositionMetrics(
         seq=ref.pos_seq.copy(),
         domain=ref.position_domains(),
         ambiguous=(np.asarray(eng.ambiguous, dtype=bool).copy() if eng.ambiguous is not None
                    else np.zeros(n, dtype=bool)),
         **out,
-    )
+    ), ref)

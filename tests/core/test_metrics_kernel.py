@@ -60,6 +60,8 @@ def edge_case_records(rng, n_seq=12, length=25, vocab=30, k_ref=8, k_eng=5, ref_
                 ref_ids[i, cut_r:], ref_lp[i, cut_r:] = -1, -np.inf
             elif kind == 3:  # engine top-k sums to 1 (Σ_S q ≥ 1 - rounding: Q_rest floored)
                 eng_lp[i] = eng_lp[i] - np.log(np.exp(eng_lp[i]).sum())
+                if actual[i] not in eng_ids[i]:   # nothing is left for it: more would be a mass above 1
+                    eng_act[i] = -9999.0
             elif kind == 4:  # the actual token has probability 0 on one side
                 if rng.random() < 0.5:
                     eng_act[i] = -9999.0
