@@ -156,4 +156,62 @@ class DSparkV4:
         return DraftOutput(out, logits, conf)
 
 
-__all__ = ["DSparkAttentionV4", "DSparkCacheV4", "DSparkStageV4", "DSparkV4"]
+@dataclass(frozen=True)
+class DraftAcceptance:
+    """The oracle drafter's own acceptance along the trunk's greedy continuation of one prompt (what a lossless
+    greedy speculative decoder with this drafter accepts): per draft, the number of leading draft tokens equal to
+    the trunk's next greedy tokens. `confident` counts the drafts' leading positions with sigmoid(confidence)
+    >= 0.5 (exllamav3's draft-length gate)."""
+
+    block: int
+    accepted: tuple[int, ...]    # one per draft
+    confident: tuple[int, ...]   # one per draft
+    nonfinite_drafts: int        # drafts whose logits or confidences hold a NaN / inf
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: 1 (the target's own token) + accepted draft tokens per draft."""
+        return 1 + sum(self.accepted) / len(self.accepted)
+
+    @property
+    def alpha_j(self) -> tuple[float, ...]:
+        """Per draft position j = 1..block: the fraction of drafts whose first j tokens were all accepted."""
+        return tuple(sum(a >= j for a in self.accepted) / len(self.accepted) for j in range(1, self.block + 1))
+
+
+@torch.inference_mode()
+def draft_acceptance(model, prompt: torch.Tensor, new_tokens: int) -> DraftAcceptance:
+    """Greedy-decode `new_tokens` tokens after `prompt` [s] with the trunk, drafting after the prefill and after
+    every decode step from the trunk's own taps, and score each draft against the continuation (only drafts
+    whose whole block lies inside it). `model`: an oracle Model whose `mtp` is a DSparkV4."""
+    if not isinstance(model.mtp, DSparkV4):
+        raise TypeError("draft_acceptance: the model has no DeepSeek-V4 DSpark drafter (dspark_block_size 0?)")
+    B = model.cfg.dspark_block_size
+    if new_tokens <= B:
+        raise ValueError(f"draft_acceptance: new_tokens {new_tokens} leaves no draft whose block of {B} fits")
+    st = model.new_state(1)
+    out = model.forward(prompt.view(1, -1), st)
+    greedy, drafts = [], []
+    pos = 0
+    for _ in range(new_tokens):
+        tok = out.logits[:, -1].argmax(-1)
+        greedy.append(int(tok))
+        drafts.append(model.mtp.forward_spec(tok, out.main_hidden, pos, st))
+        pos = st.next_pos
+        out = model.forward(tok.view(1, 1), st)
+    accepted, confident, bad = [], [], 0
+    for t, d in enumerate(drafts):
+        bad += int(not (torch.isfinite(d.logits).all() and torch.isfinite(d.confidence).all()))
+        if t + B >= len(greedy):
+            continue
+        proposed = d.ids[0, 1:].tolist()
+        n = 0
+        while n < B and proposed[n] == greedy[t + 1 + n]:
+            n += 1
+        accepted.append(n)
+        keep = (torch.sigmoid(d.confidence[0]) >= 0.5).int()
+        confident.append(int(torch.cumprod(keep, 0).sum()))
+    return DraftAcceptance(B, tuple(accepted), tuple(confident), bad)
+
+
+__all__ = ["DSparkAttentionV4", "DSparkCacheV4", "DSparkStageV4", "DSparkV4", "DraftAcceptance", "draft_acceptance"]

@@ -239,6 +239,7 @@ def test_taps_at_layer_inputs_are_separated(fp32_run):
     assert float((drafts[0].logits.double() - wrong[1]).abs().max() / wrong[1].abs().max()) > 1e-3
 
 
+@pytest.mark.long  # a second model in reference-bf16 (~80 s here); the nightly runs it
 def test_reference_bf16_drafts_are_finite_and_near_fp32(ckpts, fp32_run):
     """reference-bf16 runs the drafter in the reference's dtypes; no independent bf16 opinion exists here, so it
     is held to the fp32 drafter within the bf16 noise this model's trunk itself shows on the same calls (its
@@ -259,3 +260,50 @@ def test_reference_bf16_drafts_are_finite_and_near_fp32(ckpts, fp32_run):
         assert torch.isfinite(d.logits).all() and torch.isfinite(d.confidence).all()
     print(f"bf16 vs fp32, relative max |d logit|: drafts (block position 0) {draft_diff}, trunk {trunk_diff}")
     assert 0 < max(draft_diff) <= 4 * max(trunk_diff), (draft_diff, trunk_diff)
+
+
+def test_draft_acceptance_counts_what_a_greedy_verifier_accepts(fp32_run):
+    """draft_acceptance (the oracle drafter's own acceptance, the reference of the GPU spec-dec gate) against
+    drafters whose proposals are known: the trunk's own greedy continuation (everything accepted), the same with
+    its second token wrong (one accepted); and on the real drafter, counts inside 0..block and finite drafts."""
+    from oracle.dsv41.dspark_v4 import draft_acceptance
+    from oracle.dsv41.mtp import DraftOutput
+
+    m, _, ids, _, _ = fp32_run
+    prompt, n_new, B = ids[0, :8], 6, m.cfg.dspark_block_size
+    st = m.new_state(1)
+    o = m.forward(prompt.view(1, -1), st)
+    greedy = []
+    for _ in range(n_new + B):   # an independent greedy loop, long enough for every block
+        tok = o.logits[:, -1].argmax(-1)
+        greedy.append(int(tok))
+        o = m.forward(tok.view(1, 1), st)
+
+    class Known(DSparkV4):
+        def __init__(self, cfg, wrong_at=None):
+            self.cfg, self.wrong_at = cfg, wrong_at
+
+        def forward_spec(self, tok, taps, start_pos, state):
+            t = 0 if start_pos == 0 else start_pos - len(prompt) + 1
+            assert int(tok) == greedy[t]
+            prop = list(greedy[t + 1:t + 1 + B])
+            if self.wrong_at is not None:
+                prop[self.wrong_at] = (prop[self.wrong_at] + 1) % self.cfg.vocab_size
+            return DraftOutput(torch.tensor([[int(tok), *prop]]), torch.zeros(1, B, self.cfg.vocab_size),
+                               torch.full((1, B), 10.0))
+
+    real = m.mtp
+    try:
+        m.mtp = Known(m.cfg)
+        perfect = draft_acceptance(m, prompt, n_new)
+        m.mtp = Known(m.cfg, wrong_at=1)
+        one = draft_acceptance(m, prompt, n_new)
+    finally:
+        m.mtp = real
+    assert perfect.accepted == (B,) * (n_new - B) and perfect.tau == B + 1 and perfect.alpha_j == (1.0,) * B
+    assert one.accepted == (1,) * (n_new - B) and one.tau == 2 and one.confident == (B,) * (n_new - B)
+    acc = draft_acceptance(m, prompt, n_new)
+    assert len(acc.accepted) == n_new - B and all(0 <= a <= B for a in acc.accepted)
+    assert acc.nonfinite_drafts == 0 and list(acc.alpha_j) == sorted(acc.alpha_j, reverse=True)
+    print(f"tiny V4 drafter (random weights), prompt of {len(prompt)}, {n_new} new tokens: tau {acc.tau:.3f}, "
+          f"alpha_j {acc.alpha_j}, confident {acc.confident}")
