@@ -97,10 +97,12 @@ def headline(rec: LocalizeRecord) -> str:
     if v.onset_step is not None:
         onset.append(f"at decode step {v.onset_step}")
     pos = ", ".join(f"{p.position} ({p.token_id} {p.text!r})" for p in v.positions[:4])
-    there = (f"distance {s.worst:.3g} against a zero floor (the engine is bit-exact against itself)"
-             if (s := _named_site(rec)) is not None and s.threshold == 0.0 else f"distance/threshold {v.ratio_at_first:.3g}")
+    exact = "the engine is bit-exact against itself" if rec.mode == "ab" else "the floor run equals the oracle there"
+    there = (f"distance {s.worst:.3g} there against a zero floor ({exact})"
+             if (s := _named_site(rec)) is not None and s.threshold == 0.0
+             else f"distance/threshold {v.ratio_at_first:.3g} there")
     growth = "" if v.growth_factor is None else f"; growth to the last layer x{v.growth_factor:.3g}"
-    return (f"first divergent: {v.site} ({v.phase}; {' and '.join(onset) or 'onset n/a'}); {there} there, "
+    return (f"first divergent: {v.site} ({v.phase}; {' and '.join(onset) or 'onset n/a'}); {there}, "
             f"{before} at the stage before{growth}; worst positions {pos}")
 
 
