@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from core.errors import ResultsDirError
-from core.paths import RUN_LOCK, RUN_MARKER, claim_results_dir, read_marker, release_results_dir  # noqa: I001
+from core.paths import RUN_LOCK, RUN_MARKER, claim_results_dir, read_marker, release_results_dir
 from core.results import GateResults
 from ds41gates import pipeline
 from tests.core.recordkit import pair_of_records
