@@ -17,9 +17,10 @@ from tests.core.recordkit import provenance
 def _scores(seq_id: str, domain: str, tokens: list[int], scored: list[bool], k: int = 3) -> SequenceScores:
     n = sum(scored)
     rng = np.random.default_rng(len(tokens))
+    share = np.log(k + 1)     # each of the k + 1 values at most 1/(k+1): a part of one distribution (mass <= 1)
     return SequenceScores(seq_id, domain, np.asarray(tokens, np.int64), np.asarray(scored, bool),
-                          rng.integers(0, 50, (n, k)), -np.sort(rng.random((n, k)), axis=1), -rng.random(n),
-                          np.ones(n, np.int64))
+                          rng.integers(0, 50, (n, k)), -np.sort(rng.random((n, k)), axis=1) - share,
+                          -rng.random(n) - share, np.ones(n, np.int64))
 
 
 def test_a_record_gives_back_the_ids_masks_and_identity_it_was_scored_on(tmp_path):
