@@ -17,6 +17,7 @@ exllamav3 or touches a GPU, so it is tested on the CPU (tests/engine/test_exllam
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 import uuid
@@ -182,16 +183,70 @@ def models_card(model: str, max_model_len: int) -> dict:
                                         "owned_by": ENGINE_NAME, "root": model, "max_model_len": max_model_len}]}
 
 
-def metrics_text(prefix_caching: bool, counters: dict[str, float]) -> str:
-    """Prometheus text: vLLM's cache-config gauge (the gates read block_size / enable_prefix_caching from it)
-    and the front's own counters."""
+def metrics_text(prefix_caching: bool, counters: dict[str, float], spec: dict[str, float] | None = None) -> str:
+    """Prometheus text: vLLM's cache-config gauge (the gates read block_size / enable_prefix_caching from it),
+    the front's own counters and, with a drafter, vLLM's spec-decode counters (names without `_total`)."""
     lines = ["# HELP vllm:cache_config_info Information of the KV cache (exllamav3 front).",
              "# TYPE vllm:cache_config_info gauge",
              f'vllm:cache_config_info{{block_size="{PAGE_SIZE}",enable_prefix_caching="{prefix_caching}",'
              f'engine="{ENGINE_NAME}"}} 1.0']
     for name, value in sorted(counters.items()):
         lines += [f"# TYPE ds41_exl3_{name} counter", f"ds41_exl3_{name}_total {float(value)}"]
+    for name, value in sorted((spec or {}).items()):
+        lines += [f"# TYPE {name} counter", f"{name}_total {float(value)}"]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- speculation
+SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED = (f"vllm:spec_decode_num_{n}" for n in
+                                                 ("drafts", "draft_tokens", "accepted_tokens"))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int | None
+    model: str | None
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """vLLM's --speculative-config JSON as this front understands it: method "mtp" (the checkpoint's own drafter;
+    DeepSeek-V4: DSpark), optional num_speculative_tokens and model. Anything else: ValueError naming it."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r:.60}")  # noqa: TRY004 (a bad config value)
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens", "model"})
+    if unknown:
+        raise ValueError(f"--speculative-config: keys {unknown} are not supported by the exllamav3 front "
+                         "(method, num_speculative_tokens, model)")
+    if spec.get("method") != "mtp":
+        raise ValueError(f"--speculative-config method {spec.get('method')!r}: the exllamav3 front drafts with the "
+                         "checkpoint's own drafter only (method \"mtp\")")
+    n = spec.get("num_speculative_tokens")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"--speculative-config num_speculative_tokens {n!r}: a positive integer")
+    model = spec.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"--speculative-config model {model!r}: a model name")
+    return SpeculativeConfig(n, model)
+
+
+def spec_counters() -> dict[str, float]:
+    return {SPEC_DRAFTS: 0.0, SPEC_DRAFT_TOKENS: 0.0, SPEC_ACCEPTED: 0.0}
+
+
+def count_spec(counters: dict[str, float], generated: int, accepted: int | None, rejected: int | None) -> None:
+    """Add one finished job. exllamav3 reports its accepted and rejected draft tokens per job; every verification
+    round emits its accepted drafts plus one token of the target's own, so drafts = generated - accepted (a round
+    the confidence gate leaves undrafted counts as a draft of 0 tokens). Missing totals add nothing: a drafter
+    that never reports is seen by the gate as one that never drafts."""
+    if accepted is None:
+        return
+    counters[SPEC_ACCEPTED] += accepted
+    counters[SPEC_DRAFT_TOKENS] += accepted + (rejected or 0)
+    counters[SPEC_DRAFTS] += max(generated - accepted, 0)
 
 
 # ---------------------------------------------------------------------------------------------- cache salt

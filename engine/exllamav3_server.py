@@ -54,6 +54,8 @@ class StepEvent:
     done: bool
     finish: str | None = None
     cached_tokens: int | None = None
+    accepted_draft_tokens: int | None = None   # the job's own totals, on its last event (speculative decoding)
+    rejected_draft_tokens: int | None = None
 
 
 class Backend(Protocol):
@@ -114,7 +116,8 @@ class Exl3Backend:
     """exllamav3 on one CUDA device: Config → Model → Cache → Generator (ArgmaxSampler, logits returned)."""
 
     def __init__(self, model_dir: str, cache_tokens: int = 32768, max_batch_size: int = 16,
-                 checkpoint_interval: int = api.PAGE_SIZE, device: str = "cuda:0", draft_mtp: bool = False):
+                 checkpoint_interval: int = api.PAGE_SIZE, device: str = "cuda:0", draft_mtp: bool = False,
+                 num_draft_tokens: int | None = None):
         from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Model, Tokenizer
 
         install_salted_hashing()
@@ -137,6 +140,8 @@ class Exl3Backend:
             kw["draft_cache"] = Cache(draft, max_num_tokens=cache_tokens, max_batch_size=max_batch_size)
             draft.load(device)
             kw["draft_model"] = draft
+            if num_draft_tokens:
+                kw["num_draft_tokens"] = num_draft_tokens
         self.generator = Generator(self.model, self.cache, self.tokenizer, max_batch_size=max_batch_size, **kw)
         self._sampler = ArgmaxSampler
         self._job_cls = __import__("exllamav3", fromlist=["Job"]).Job
@@ -181,7 +186,9 @@ class Exl3Backend:
             if done:
                 finish = "length" if r.get("eos_reason") == "max_new_tokens" else "stop"
             out.append(StepEvent(r["identifier"], ids, logits, r.get("text", "") or "", done, finish,
-                                 r.get("cached_tokens") if done else None))
+                                 r.get("cached_tokens") if done else None,
+                                 r.get("accepted_draft_tokens") if done else None,
+                                 r.get("rejected_draft_tokens") if done else None))
         return out
 
     def piece(self, tid: int) -> str:
@@ -211,6 +218,7 @@ class _Pending:
     ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    generated: int = 0
 
 
 class Front:
@@ -221,6 +229,8 @@ class Front:
         self._inbox: "queue.Queue[tuple[str, _Pending]]" = queue.Queue()
         self._live: dict[str, _Pending] = {}
         self.counters = {"requests": 0.0, "prompt_tokens": 0.0, "generation_tokens": 0.0, "cached_tokens": 0.0}
+        # vLLM's spec-decode counters (gates/lib/specdec.py reads them), only when a drafter is loaded
+        self.spec_counters = api.spec_counters() if getattr(backend, "info", {}).get("draft") else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="exl3-worker", daemon=True)
         self._thread.start()
@@ -280,8 +290,11 @@ class Front:
                 del self._live[ev.ident]
                 return
             p.out.put(("tokens", (ev.ids, ev.logits, ev.text)))
+            p.generated += len(ev.ids)
         if ev.done:
             del self._live[ev.ident]
+            if self.spec_counters is not None:
+                api.count_spec(self.spec_counters, p.generated, ev.accepted_draft_tokens, ev.rejected_draft_tokens)
             p.out.put(("done", (ev.finish, ev.cached_tokens)))
 
     # ---------------------------------------------------------------- requests (HTTP threads)
@@ -386,7 +399,7 @@ def make_handler(front: Front):
             elif path == "/health":
                 self._send(200, {"status": "ok"})
             elif path == "/metrics":
-                self._send(200, api.metrics_text(front.backend.prefix_caching, front.counters),
+                self._send(200, api.metrics_text(front.backend.prefix_caching, front.counters, front.spec_counters),
                            "text/plain; version=0.0.4")
             elif path == "/ds41/info":
                 self._send(200, getattr(front.backend, "info", {}))
@@ -455,14 +468,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="recurrent-state checkpoint interval (DeepSeek-V4): the prefix-reuse granularity")
     ap.add_argument("--draft-mtp", action="store_true",
                     help="speculative decoding with the checkpoint's own drafter (DeepSeek-V4: DSpark, mtp.*)")
+    ap.add_argument("--speculative-config", default=None,
+                    help='vLLM\'s spelling, as gates/test_speculative.py passes it: {"method": "mtp", '
+                         '"num_speculative_tokens": N, "model": an exllamav3_models name holding the drafter}')
     a = ap.parse_args(argv)
+    num_draft_tokens = None
+    if a.speculative_config is not None:
+        try:
+            spec = api.parse_speculative_config(a.speculative_config)
+        except ValueError as exc:
+            ap.error(str(exc))
+        a.draft_mtp, num_draft_tokens = True, spec.num_speculative_tokens
+        if spec.model is not None:
+            if a.model is None:
+                ap.error("--speculative-config 'model' names an exllamav3_models model; use it with --model")
+            a.model = spec.model
     t0 = time.time()
     if a.model_dir is None:
         from engine.exllamav3_models import model_dir
 
         a.model_dir = str(model_dir(a.model, log=lambda m: print(m, flush=True)))
     backend = Exl3Backend(a.model_dir, a.cache_tokens, a.max_batch_size, a.checkpoint_interval,
-                           draft_mtp=a.draft_mtp)
+                           draft_mtp=a.draft_mtp, num_draft_tokens=num_draft_tokens)
     front = Front(backend, a.served_model_name, a.max_model_len)
     server = serve(front, a.host, a.port)
     print(f"exllamav3 front: {a.served_model_name} from {a.model_dir} loaded in {time.time() - t0:.1f} s; "

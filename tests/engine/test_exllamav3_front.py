@@ -161,3 +161,73 @@ def test_refusals_are_http_400_with_the_field():
         api.parse_completion({"prompt": [1] * 90, "max_tokens": 20}, "m", V, 100)
     with pytest.raises(api.RequestError, match="not served"):
         api.parse_completion({"prompt": [1], "model": "other"}, "m", V, 100)
+
+
+class DraftingBackend(BigramBackend):
+    """As BigramBackend, but as exllamav3 with a drafter reports it: every step a verification round emitting
+    `per_round` tokens (per_round - 1 accepted drafts plus the target's own), and the job's accepted / rejected
+    draft-token totals on its last event (the drafter proposed `proposed` tokens per round)."""
+
+    info = {"draft": "mtp"}
+
+    def __init__(self, per_round: int = 3, proposed: int = 4):
+        super().__init__()
+        self.per_round, self.proposed = per_round, proposed
+
+    def step(self):
+        out = []
+        for ident, j in list(self.jobs.items()):
+            ids, rows = [], []
+            for _ in range(min(self.per_round, j["left"])):
+                logits = self.table[j["last"]]
+                j["last"] = int(torch.argmax(logits))
+                ids.append(j["last"])
+                rows.append(logits)
+                j["left"] -= 1
+            j.setdefault("rounds", []).append(len(ids) - 1)
+            done = j["left"] == 0
+            acc = sum(j["rounds"]) if done else None
+            rej = sum(self.proposed - a for a in j["rounds"]) if done else None
+            out.append(StepEvent(ident, ids, torch.stack(rows), "", done, "length" if done else None,
+                                 j["cached"] if done else None, acc, rej))
+            if done:
+                del self.jobs[ident]
+        return out
+
+
+def test_spec_decode_counters_as_the_speculative_gate_reads_them():
+    """The front's vllm:spec_decode_* counters, parsed by the gate's own reader (gates/lib/specdec.py):
+    9 tokens in rounds of 3 = 3 drafts, 6 accepted of 12 proposed, tau = 3; none without a drafter."""
+    from engine.client import ClientConfig, EngineClient
+    from gates import _engine
+    from gates.lib import specdec
+
+    for backend, want in ((DraftingBackend(), specdec.Counters(3.0, 12.0, 6.0)), (BigramBackend(), None)):
+        front = Front(backend, "fake-exl3", max_model_len=512)
+        server = serve(front, "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        client = EngineClient(ClientConfig(f"http://127.0.0.1:{server.server_address[1]}", "fake-exl3",
+                                           vocab_size=V, max_concurrency=2))
+        try:
+            got = _engine.complete(client, list(range(10, 20)), 9, 1)
+            assert len(got.token_ids) == 9
+            snap = client.metrics()
+            counters = specdec.counters_from_samples([s for fam in snap.families.values() for s in fam])
+            assert counters == want
+            if want is not None:
+                assert specdec.Acceptance("code", counters, 4).tau == 3.0
+        finally:
+            client.close()
+            server.shutdown()
+            front.close()
+
+
+def test_speculative_config_as_the_front_reads_it():
+    spec = api.parse_speculative_config('{"method": "mtp", "num_speculative_tokens": 4, "model": "dsv4-tiny-bf16-dspark"}')
+    assert spec == api.SpeculativeConfig(4, "dsv4-tiny-bf16-dspark")
+    assert api.parse_speculative_config('{"method": "mtp"}') == api.SpeculativeConfig(None, None)
+    for text, msg in (('{"method": "ngram"}', "method 'ngram'"), ('{"method": "mtp", "x": 1}', r"keys \['x'\]"),
+                      ('{"method": "mtp", "num_speculative_tokens": 0}', "positive integer"), ("[1]", "JSON object"),
+                      ("{", "not JSON")):
+        with pytest.raises(ValueError, match=msg):
+            api.parse_speculative_config(text)
