@@ -22,7 +22,9 @@ Config (TOML)::
     profile = "vllm-cpu-fp32"                # a shipped profile name, or a .toml path (relative to the config)
     flags = ["no_prefix_cache"]
     gates = ["gates/test_kl_panel.py"]       # optional: replaces [nightly].gates for this cell
-    env = { SOME_VAR = "1" }                 # optional: extra environment of the cell's pytest
+    env = { DS41_GATES_CONFIG = "gates/config.toml" }   # optional: extra environment of the cell's pytest
+                                             # (engine/environment.py's allow-list and DS41_*; it does not reach
+                                             # the engine, which starts from its profile's env)
 
 Each cell runs ``python -m pytest GATES -m gate --engine-profile P --flag F ... --results DIR --junitxml
 DIR/junit.xml --per-prompt-metrics`` as a subprocess; its junit XML, results.json, per_prompt.json and report
