@@ -17,7 +17,9 @@ error naming the profile and the field. Text in braces that is not a bare name (
 left alone. The model folders among them (``MODEL_PROVIDERS``) are also what a profile's ``[gate] model``
 names: one registry for what is served and what the oracle loads (engine/target.py).
 
-``EngineServer`` runs the command in a new session (so its own process group), sends its output
+``EngineServer`` runs the command in a new session (so its own process group), with the environment
+``LaunchSpec.full_env`` builds (engine/environment.py: a minimal base of the harness's environment plus the
+profile's entries; the harness's keys, tokens and DS41_PERTURB_* never reach the engine), sends its output
 to the log file, polls the health URL and notices an early exit (the error carries the log tail).
 Leaving the ``with`` block, on success, exception or KeyboardInterrupt, sends SIGTERM to the whole
 group, then SIGKILL after ``stop_grace_s``, and waits until no process of the group is left. An
