@@ -107,6 +107,30 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
     return ref, path
 
 
+def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32",
+                          top_k: int = ORACLE_TOP_K) -> tuple[Record, Path]:
+    """The DeepSeek oracle's long-context reference of `encoded` (oracle/dsv41/long_context.py: chunked prefill,
+    logits only at scored positions, per-position mechanism masks), cached beside the other references under the
+    oracle name ``deepseek-long``; built (resumably, one sequence at a time) when missing."""
+    identity, checkpoint = _oracle_identity("deepseek", Path(model_dir))
+    path = reference_path(encoded, identity, top_k, oracle="deepseek-long", precision=precision)
+    if path.exists():
+        ref = Record.load(path)
+        if ref.provenance.panel_hash == encoded.panel_hash and ref.provenance.tokenizer_hash == encoded.tokenizer_hash:
+            _echo(f"long-context oracle reference (cached): {path}")
+            return ref, path
+        raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
+    from oracle.dsv41.long_context import LongOptions, run_long_to_file
+
+    _echo(f"building the {precision} long-context deepseek oracle reference for {encoded.panel_name}@"
+          f"{encoded.panel_version} ({len(encoded.sequences)} sequences) …")
+    # one thread, as ensure_reference (a shared 2-core box)
+    ref = run_long_to_file(checkpoint, encoded, path, path.with_suffix(".partial.d"),
+                           LongOptions(precision=precision, threads=1, top_k=top_k))
+    _echo(f"long-context oracle reference written: {path}")
+    return ref, path
+
+
 def common_sequences(ref: Record, engines: Sequence[tuple[str, Record]]) -> tuple[Record, list, list[dict]]:
     """Reference and engine records restricted to the sequences every engine scored, plus the exclusions."""
     common = set(ref.seq_ids)

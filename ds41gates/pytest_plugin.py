@@ -125,6 +125,13 @@ class GateRun:
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self._save(self.results.with_section(ReportSection(title, rows, note)))
 
+    def add_coverage(self, source: str, reference) -> None:
+        """Count an oracle reference's scored positions towards the session's mechanism coverage
+        (ds41gates/coverage.py; judged for the session's flags at its end)."""
+        from ds41gates.coverage import add_reference
+
+        add_reference(self, source, reference)
+
     def mark(self, outcome: GateOutcome) -> None:
         """One gate's outcome (passed / failed / error / ...), in results.json the moment it is known."""
         self._save(self.results.with_outcome(outcome))
@@ -588,6 +595,21 @@ def panel_reference(gate_session: GateSession, request: pytest.FixtureRequest):
                                            precision=target.precision)
     gate_session.run.reference = ref
     return ref
+
+
+@pytest.fixture(scope="session")
+def long_reference(gate_target):
+    """``long_reference(encoded)`` -> the DeepSeek oracle's long-context reference of that encoded panel (chunked
+    prefill, logits only at scored positions, mechanism masks), cached (ds41gates.pipeline.ensure_long_reference)."""
+    from ds41gates import pipeline
+
+    def build(encoded):
+        if gate_target.oracle != "deepseek":   # asked only by a gate that applies (the others xfail first)
+            raise UserError(f"the long-context reference needs the deepseek oracle; the profile's target uses "
+                            f"{gate_target.oracle!r}")
+        return pipeline.ensure_long_reference(encoded, gate_target.model_dir, gate_target.precision)[0]
+
+    return build
 
 
 @pytest.fixture(scope="session")

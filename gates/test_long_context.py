@@ -99,15 +99,14 @@ def test_long_prefill_self_consistency_deep(engine_client, engine_facts, engine_
 
 # --------------------------------------------------------------------------------------------------- KL at depth
 
-def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target, long_reference, gate_results):
     """The engine against the oracle's long-context reference of long@1's items of ``lengths`` tokens, judged per
     depth bucket (core.metrics.by_depth, the profile's [depth] bands); the reference's mechanism masks join the
-    session's coverage (ds41gates/coverage.py), and the per-bucket KL table and the coverage table go to the report."""
+    session's coverage (gate_results.add_coverage), and the per-bucket KL table and the coverage table go to the
+    report."""
     from core.bands import judge_depth, load_depth_bands
     from core.metrics import position_metrics
     from core.metrics.by_depth import depth_reports, depth_rows
-    from ds41gates import pipeline
-    from ds41gates.coverage import add_reference
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
     from panels import encode_panel, load_panel
     from panels.long import select
@@ -121,12 +120,11 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
         pytest.xfail(f"{gate_name} not applicable: {why}")
     encoded = encode_panel(select(load_panel("long"), lengths=lengths), gate_target.tokenizer)
     t0 = time.perf_counter()
-    ref, _ = pipeline.ensure_reference(encoded, gate_target.model_dir, oracle=gate_target.oracle,
-                                       precision=gate_target.precision)
+    ref = long_reference(encoded)
     t1 = time.perf_counter()
     eng = score_engine(engine_endpoint, encoded, DEFAULT_ENGINE_K)
     t2 = time.perf_counter()
-    add_reference(gate_results, f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{lengths}", ref)
+    gate_results.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{lengths}", ref)
     reports = depth_reports(ref, position_metrics(ref, eng))
     verdict = judge_depth(reports, load_depth_bands(profile, gate_target.bands), profile)
     rows = depth_rows(reports)
@@ -144,14 +142,15 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
     assert verdict.passed, f"{gate_name} failed:\n" + "\n".join(verdict.failures())
 
 
-def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_config, long_reference, gate_results):
     """CI: long@1's items of the profile's kl_lengths (vllm-cpu-dsv4: 2,560 tokens, past the indexer's 2,048)."""
     _kl_by_depth(gate_config["long_context"]["kl_lengths"], "long_kl_by_depth", engine_endpoint, engine_facts,
-                 gate_target, gate_config, gate_results)
+                 gate_target, long_reference, gate_results)
 
 
 @pytest.mark.long
-def test_long_kl_by_depth_deep(engine_endpoint, engine_facts, gate_target, gate_config, gate_results):
+def test_long_kl_by_depth_deep(engine_endpoint, engine_facts, gate_target, gate_config, long_reference,
+                               gate_results):
     """Nightly: long@1's items of the profile's long_kl_lengths (vllm-cpu-dsv4: 16K)."""
     _kl_by_depth(gate_config["long_context"]["long_kl_lengths"], "long_kl_by_depth_deep", engine_endpoint,
-                 engine_facts, gate_target, gate_config, gate_results)
+                 engine_facts, gate_target, long_reference, gate_results)
