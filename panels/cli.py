@@ -75,6 +75,27 @@ def show_cmd(name: str = typer.Argument(..., help="NAME or NAME@VERSION")) -> No
         chars = len(it.text or "") + sum(len(m.content) for m in it.messages)
         t.add_row(it.id, it.domain, it.kind, it.score, it.lang or "", str(len(it.messages) or ""), str(chars))
     c.print(t)
+    if any(it.tokens is not None for it in panel.items):
+        c.print(_depth_table(panel.items, "token lengths (built in the DeepSeek tokenizer) and scored positions "
+                                          "per depth bucket"))
+
+
+def _depth_table(items, title: str, lengths: dict[str, int] | None = None) -> Table:
+    """One row per long item: its exact token length and its scored positions per depth bucket (core/depth.py).
+    `lengths`: the encoded lengths (stats), else the lengths the items were built to (show)."""
+    from core.depth import BUCKET_LABELS
+    from panels.long import bucket_counts
+
+    t = Table(title=title)
+    for col in ("id", "tokens", "scored", *BUCKET_LABELS):
+        t.add_column(col, justify="left" if col == "id" else "right", no_wrap=col == "id")
+    for it in items:
+        if it.tokens is None:
+            continue
+        n = lengths[it.id] if lengths is not None else it.tokens
+        counts = bucket_counts(it.positions, n)
+        t.add_row(it.id, str(n), str(len(it.positions)), *(str(counts[b]) for b in BUCKET_LABELS))
+    return t
 
 
 @panel_app.command("stats")
@@ -111,5 +132,9 @@ def stats_cmd(
     c.print(t)
     c.print(f"panel hash {panel.content_hash}")
     c.print(f"tokenizer hash {tok.hash}")
+    if any(it.tokens is not None for it in panel.items):
+        lengths = {s.seq_id: len(s.token_ids) for s in enc.sequences}
+        c.print(_depth_table(panel.items, f"token lengths in {tok.name} and scored positions per depth bucket",
+                             lengths))
     for note in enc.notes:
         c.print(f"[yellow]note:[/yellow] {note}")

@@ -96,3 +96,18 @@ def test_po_strings_reads_translations_only():
           'msgid ""\n"a long"\n" one"\nmsgstr ""\n"una "\n"larga"\n\nmsgid "untranslated"\nmsgstr ""\n')
     assert po_strings(po) == ["Hola", "una larga"]
     assert json.loads(json.dumps(po_strings(po))) == ["Hola", "una larga"]
+
+
+def test_panel_show_prints_lengths_and_bucket_counts():
+    from typer.testing import CliRunner
+
+    from panels.cli import panel_app
+
+    r = CliRunner().invoke(panel_app, ["show", "long@1"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in r.output.split("\n") if line.startswith("│") and line.count("│") == 11}
+    # id | tokens | scored | d0-128 | d128-2K | d2K-8K | d8K-32K | d32K-128K | d128K+ | last256
+    assert rows["code-131072"] == ["131072", "288", "48", "48", "48", "48", "96", "0", "48"]
+    assert rows["agentic-2560"] == ["2560", "192", "48", "48", "96", "0", "0", "0", "48"]
+    assert len(rows) == 22
