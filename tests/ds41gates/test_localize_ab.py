@@ -5,14 +5,15 @@ blind or wrong: the final norm (after the last layer), one embedding row (before
 (its attention / MLP input). Each must be named exactly, with its onset; the clean control and a flag of the perf class run in their
 own engine process (kv_cache_2g: a memory budget, every bit unchanged) name nothing.
 
-Cost on the shared 2-core box: the base arm and every tweak in ONE engine process, the flag arm in a second,
-48 prompt tokens + one decode step, the oracle (fp32 transformers) once for context."""
+Cost: the base arm and every tweak in ONE engine process, the flag arm in a second, 48 prompt tokens + one
+decode step, the oracle (fp32 transformers) once for context: 350 s on the 2-core box at load ~30, so marker
+`long` (the A/B maths and verdict are CI's in tests/core/test_localize.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.long]   # two engine launches: the nightly job runs it
 
 PROFILE = "vllm-cpu-fp32"
 ITEM, TOKENS = "knowledge-02-printing", 48
