@@ -307,3 +307,18 @@ def test_draft_acceptance_counts_what_a_greedy_verifier_accepts(fp32_run):
     assert acc.nonfinite_drafts == 0 and list(acc.alpha_j) == sorted(acc.alpha_j, reverse=True)
     print(f"tiny V4 drafter (random weights), prompt of {len(prompt)}, {n_new} new tokens: tau {acc.tau:.3f}, "
           f"alpha_j {acc.alpha_j}, confident {acc.confident}")
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"dspark_target_layer_ids": [1, 4]}, "must be trunk layers 0..3"),
+    ({"compress_ratios": [0, 4, 128, 4, 0, 4]}, "compress ratio 0 past the trunk"),
+    ({"dspark_n_routed_experts": 8}, "the trunk's experts"),
+    ({"dspark_noise_token_id": 512}, "a token id below 512"),
+])
+def test_bad_v4_dspark_configs_are_named_errors(ckpts, change, match):
+    from oracle.dsv41.config import ConfigError, ModelConfig
+
+    cfg = json.loads((ckpts[1] / "config.json").read_text())
+    ModelConfig.from_dict(cfg)   # the written one is valid
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict({**cfg, **change})
