@@ -273,8 +273,8 @@ class GateSession:
 
             write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
         finally:   # the folder's run lock is held until this run has written its last file
-            if run is not None:
-                release_results_dir(run.out_dir)
+            for folder in {run.out_dir if run is not None else None, self._claimed_dir} - {None}:
+                release_results_dir(folder)
 
     def _judge_coverage(self) -> None:
         """The coverage rule (ds41gates/coverage.py): every flag this session is about, against the mechanisms
