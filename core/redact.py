@@ -43,8 +43,8 @@ _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
 # query keys whose values are never secret (kept in a redacted URL); every other value is hidden
 URL_SAFE_QUERY_KEYS = frozenset({"model", "format", "stream", "api-version", "api_version", "version"})
 # names whose value is hidden wherever an environment is written, whatever the value (broader than SECRET_NAME,
-# which also decides what is redacted from all text by value, so it stays narrow)
-SECRET_ENV_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD|PASSWD|(?:^|_)PASS(?:_|$)|PWD|CREDENTIAL|"
+# which also decides what is redacted from all text by value, so it stays narrow); a bare PASS is a verdict word
+SECRET_ENV_NAME = re.compile(r"KEY|TOKEN(?!IZER|S)|SECRET|PASSWORD|PASSWD|_PASS(?:_|$)|^PASS_|PWD|CREDENTIAL|"
                              r"AUTH(?!OR)|(?:^|_)SIG(?:NATURE)?(?:_|$)|SIGNATURE|COOKIE|SESSION|PRIVATE",
                              re.IGNORECASE)
 
