@@ -55,7 +55,7 @@ import time
 import traceback
 
 SITES = ("attn", "mlp", "resid")           # per decoder layer
-STREAM_SITES = ("attn_in", "attn_stream", "ffn_in", "indexer")   # DeepSeek-V4's, where a layer has them
+STREAM_SITES = ("attn_in", "attn_stream", "ffn_in", "indexer", "router")   # DeepSeek-V4's, where a layer has them
 OUTER_SITES = ("embed", "final_norm", "logits")   # before layer 0 and after the last
 _ATTR = "_ds41_capture"
 ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
@@ -136,6 +136,11 @@ def _install_stream_sites(layer, i: int, sites, keep, handles: list, parent) -> 
             calls["n"] += 1
         handles.append(post.register_forward_hook(after_post))
         found["attn_stream"] = "mhc_post (first call)"
+    ffn = getattr(layer, "ffn", None)
+    router = _router_of(ffn) if "router" in sites and ffn is not None else None
+    if router is not None:
+        handles.append(_RoutingTap(router, lambda ids, k=f"L{i}.router": keep(k, ids)))
+        found["router"] = f"{type(router).__name__}._compute_routing"
     attn = getattr(layer, "attn", None)
     buf = getattr(parent, "topk_indices_buffer", None)
     if "indexer" in sites and buf is not None and getattr(attn, "indexer", None) is not None:
@@ -143,6 +148,37 @@ def _install_stream_sites(layer, i: int, sites, keep, handles: list, parent) -> 
             lambda m, a, out, k=f"L{i}.indexer": keep(k, buf[:_first_tensor(out).shape[0]])))
         found["indexer"] = "topk_indices_buffer after attn"
     return found
+
+
+def _router_of(ffn):
+    """vLLM's MoE router object under a MoE module (the one whose ``_compute_routing`` returns the chosen
+    experts), or None."""
+    import torch
+
+    for mod in ffn.modules() if isinstance(ffn, torch.nn.Module) else ():
+        for cand in (mod, getattr(mod, "router", None)):
+            if cand is not None and callable(getattr(cand, "_compute_routing", None)):
+                return cand
+    return None
+
+
+class _RoutingTap:
+    """Wraps one router's ``_compute_routing`` (an instance attribute over the method) so that the experts it
+    chose, [n, top_k] ids, reach ``on_ids``; ``remove()`` puts the method back. A CPU kernel that routes inside
+    itself never calls it: then the site is simply not captured."""
+
+    def __init__(self, router, on_ids):
+        self.router, self.orig = router, router._compute_routing
+
+        def tapped(*args, **kwargs):
+            weights, ids = self.orig(*args, **kwargs)
+            on_ids(ids)
+            return weights, ids
+        router._compute_routing = tapped
+
+    def remove(self) -> None:
+        if self.router.__dict__.get("_compute_routing") is not None:
+            del self.router._compute_routing
 
 
 def _tp_writer() -> bool:
@@ -338,7 +374,7 @@ def _site_order(key: str) -> tuple[int, int]:
     if key in OUTER_SITES:
         return {"embed": (-1, 0), "final_norm": (1 << 30, 0), "logits": (1 << 30, 1)}[key]
     layer, site = key[1:].split(".", 1)
-    order = ("attn_in", "indexer", "attn", "attn_stream", "ffn_in", "mlp", "resid")
+    order = ("attn_in", "indexer", "attn", "attn_stream", "ffn_in", "router", "mlp", "resid")
     return int(layer), order.index(site) if site in order else len(order)
 
 
