@@ -82,10 +82,6 @@ def engine_identity(data: Any, headers: Mapping[str, str]) -> tuple[tuple[str, s
     return tuple(sorted(ident.items()))
 
 
-def describe_identity(ident: tuple[tuple[str, str], ...]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in ident) or "an engine that names itself nowhere"
-
-
 def origin_of(url: httpx.URL | str) -> str:
     """``scheme://host:port`` of a URL (default port spelled out, credentials dropped): what a verdict is bound to."""
     u = url if isinstance(url, httpx.URL) else httpx.URL(str(url))
@@ -353,17 +349,22 @@ class EngineClient:
         return self.root + "/" + path.lstrip("/")
 
     def identity_mark(self) -> int:
-        """A mark for `identities_since`: the answers from here on."""
+        """A mark for `identity_since`: the answers from here on."""
         with self._lock:
             return len(self._identities)
 
-    def identities_since(self, mark: int) -> list[tuple[tuple[tuple[str, str], ...], str | None]]:
-        """Each distinct engine identity among the JSON answers since `mark`, with the first sequence it answered."""
+    def identity_since(self, mark: int) -> tuple[dict[str, str], tuple | None]:
+        """The engine identity the JSON answers since `mark` agree on (field → value; an answer that leaves a
+        field out, e.g. llama-server's native endpoints without ``model``, does not change it), and the first
+        change: (field, (value, first sequence), (other value, its first sequence)) or None."""
         with self._lock:
-            seen: dict = {}
+            first: dict[str, tuple[str, str | None]] = {}
             for ident, seq_id in self._identities[mark:]:
-                seen.setdefault(ident, seq_id)
-            return list(seen.items())
+                for field, value in ident:
+                    seen = first.setdefault(field, (value, seq_id))
+                    if seen[0] != value:
+                        return {f: v for f, (v, _) in first.items()}, (field, seen, (value, seq_id))
+            return {f: v for f, (v, _) in first.items()}, None
 
     def _note_identity(self, data: Any, headers: Mapping[str, str], seq_id: str | None) -> None:
         with self._lock:
@@ -686,10 +687,10 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
     for r in results:
         timing = timing + r.timing
     cached = [r.cached_tokens for r in results]
-    identities = client.identities_since(mark)
-    if len(identities) > 1:   # one record = one engine: its identity must not change between sequences
-        (a, a_seq), (b, b_seq) = identities[:2]
-        raise EngineIdentityChanged(client.root, (str(a_seq), describe_identity(a)), (str(b_seq), describe_identity(b)))
+    identity, change = client.identity_since(mark)
+    if change is not None:   # one record = one engine: its identity must not change between sequences
+        field, (a, a_seq), (b, b_seq) = change
+        raise EngineIdentityChanged(client.root, (str(a_seq), f"{field}={a!r}"), (str(b_seq), f"{field}={b!r}"))
     origins, peers = client.answered_by()
     if origins != [client.origin]:   # by construction (no redirect leaves the origin); a verdict is bound to it
         raise EngineTransportError("answer from another origin", client.origin, 1,
@@ -713,7 +714,7 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
             "requests": timing.requests,
             "answered_by": origins,          # scheme://host:port of every answer (credentials never included)
             "answered_peers": peers,         # ip:port the answers came from
-            "answered_as": dict(identities[0][0]) if identities else {},   # the one engine identity it answered as
+            "answered_as": identity,         # the one engine identity its answers agree on (model, fingerprint…)
             **({"vocab_size": int(vocab)} if vocab else {}),
         },
     )

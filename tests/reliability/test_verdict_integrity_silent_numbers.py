@@ -168,7 +168,9 @@ def _fingerprinted(fingerprints):
 
     def answer(r):
         body = vllm_prompt_response(r.body["prompt"], r.body["prompt_logprobs"], model=MODEL)
-        body["system_fingerprint"] = next(turn)
+        fingerprint = next(turn)
+        if fingerprint is not None:
+            body["system_fingerprint"] = fingerprint
         return Canned(200, body)
 
     return answer
@@ -183,7 +185,20 @@ def test_two_engines_behind_one_port_are_refused_naming_both():
                 score_panel(client, _panel(), 3, EngineSource(srv.url, MODEL, "fake"), max_concurrency=1,
                             progress=False)
     msg = str(exc.value)
-    assert "fp-engine-A" in msg and "fp-engine-B" in msg and "'s0'" in msg and "'s1'" in msg, msg
+    assert "system_fingerprint='fp-engine-A'" in msg and "system_fingerprint='fp-engine-B'" in msg, msg
+    assert "'s0'" in msg and "'s1'" in msg, msg
+
+
+def test_an_answer_that_leaves_a_field_out_is_no_other_engine():
+    """llama-server's native endpoints answer without ``model``: only a field present in two answers with two
+    values is a change (the first version of this check refused a real llama-server KL gate)."""
+    with CannedServer() as srv:
+        serve_vllm(srv, MODEL)
+        srv.routes["/v1/completions"] = _fingerprinted(["fp-engine-A", None])
+        with EngineClient(ClientConfig(srv.url, MODEL, vocab_size=VOCAB)) as client:
+            rec = score_panel(client, _panel(), 3, EngineSource(srv.url, MODEL, "fake"), max_concurrency=1,
+                              progress=False)
+    assert rec.provenance.extra["answered_as"]["system_fingerprint"] == "fp-engine-A"
 
 
 def test_one_engine_is_recorded_with_the_identity_it_answered_as():
