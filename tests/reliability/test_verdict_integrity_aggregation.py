@@ -399,3 +399,18 @@ def test_the_aggregation_reads_the_node_ids_pytest_collects_for_a_flag(tmp_path)
     assert {t.gate: t.state for t in agg.gates} == {"flag_registered": "error", "bitwise_panel": "error",
                                                    "bitwise_greedy": "error"}
     assert agg.verdict == "ERROR"
+
+
+def test_a_gate_metric_named_like_a_secret_keeps_its_number_in_results_json(tmp_path):
+    """Redaction by key (core.redact.redact_data) hides the string under ``HF_TOKEN``, never a gate's count under
+    ``PASS``: the prefix-cache and kernel gates' headline numbers stay numbers, and results.json stays readable."""
+    from core.redact import REDACTED, redact_data
+    from core.results import GateEntry
+
+    run = GateResults().with_gate(GateEntry("prefix_cache", True, metrics={"PASS": 16.0, "FAIL": 0.0},
+                                            evidence={"env": {"HF_TOKEN": "hf_abcdefghijklmnop", "PASSES": 2}}))
+    run.save(tmp_path / "results.json")
+    back = GateResults.load(tmp_path)
+    assert back.gate("prefix_cache").metrics == {"PASS": 16.0, "FAIL": 0.0}
+    assert back.gate("prefix_cache").evidence["env"]["HF_TOKEN"] == REDACTED
+    assert redact_data({"MY_TOKEN": "x-secret-value"}) == {"MY_TOKEN": REDACTED}
