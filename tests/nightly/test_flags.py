@@ -139,7 +139,7 @@ def _profile(env=None, flags=None):
 
 def test_profile_check_refuses_unknown_bad_and_test_only():
     reg = load_registry(env={})
-    ok = check_profile(_profile({"VLLM_DS41_HC_FUSED": "1", "OTHER": "x"}), reg)
+    ok = check_profile(_profile({"VLLM_DS41_HC_FUSED": "1", "HF_HUB_OFFLINE": "1"}), reg)
     assert ok.ok and dict(ok.ds41_env) == {"VLLM_DS41_HC_FUSED": "1"}
     bad = check_profile(_profile({"VLLM_DS41_NOPE": "1", "VLLM_DS41_ENGRAM_IO_THREADS": "99",
                                   "VLLM_DS41_CORE_LAYER_SUBSET": "0-3"}), reg)
