@@ -100,7 +100,8 @@ def test_long_prefill_self_consistency_deep(engine_client, engine_facts, engine_
 
 # --------------------------------------------------------------------------------------------------- KL at depth
 
-def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target, long_reference, gate_results):
+def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target, gate_config, long_reference,
+                 gate_results):
     """The engine against the oracle's long-context reference of long@1's items of ``lengths`` tokens, judged per
     depth bucket (core.metrics.by_depth, the profile's [depth] bands); the reference's mechanism masks join the
     session's coverage (gate_results.add_coverage), and the per-bucket KL table and the coverage table go to the
@@ -119,7 +120,8 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
                else f"max_model_len {limit} cannot hold {max(lengths)} tokens")
         gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,)))
         pytest.xfail(f"{gate_name} not applicable: {why}")
-    encoded = encode_panel(select(load_panel("long"), lengths=lengths), gate_target.tokenizer)
+    domains = gate_config["long_context"]["kl_domains"] or None   # none listed: every domain of long@1
+    encoded = encode_panel(select(load_panel("long"), lengths=lengths, domains=domains), gate_target.tokenizer)
     t0 = time.perf_counter()
     ref = long_reference(encoded)
     t1 = time.perf_counter()
@@ -149,7 +151,7 @@ def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_confi
     long: the oracle's reference of the five 2,560-token items took ~11 min per item on this loaded 2-core box (it
     is cached after; docs/DSV4_ENGINE.md §9), beyond CI's budget on a fresh machine."""
     _kl_by_depth(gate_config["long_context"]["kl_lengths"], "long_kl_by_depth", engine_endpoint, engine_facts,
-                 gate_target, long_reference, gate_results)
+                 gate_target, gate_config, long_reference, gate_results)
 
 
 @pytest.mark.long
@@ -157,4 +159,4 @@ def test_long_kl_by_depth_deep(engine_endpoint, engine_facts, gate_target, gate_
                                gate_results):
     """Nightly: long@1's items of the profile's long_kl_lengths (vllm-cpu-dsv4: 16K)."""
     _kl_by_depth(gate_config["long_context"]["long_kl_lengths"], "long_kl_by_depth_deep", engine_endpoint,
-                 engine_facts, gate_target, long_reference, gate_results)
+                 engine_facts, gate_target, gate_config, long_reference, gate_results)
