@@ -218,13 +218,16 @@ def _secret_env_key(key: Any) -> bool:
 def redact_data(value: Any, secrets: Iterable[str] | None = None) -> Any:
     """A copy of a JSON-like structure with `redact` applied to every string, keys included; under a key that is
     a secret-looking environment variable name (``HF_TOKEN``, ``MY_SIG``: `secret_env_name`) the value is hidden
-    whatever it is, so an environment stored in a record is redacted by key as well as by value."""
+    whatever it is, so an environment stored in a record is redacted by key as well as by value. Only a string is
+    hidden by key (an environment's values are strings): a number or a table under an upper-case key (a count, a
+    typed field) keeps its shape, its strings redacted by value."""
     secrets = known_secrets() if secrets is None else list(secrets)
     if isinstance(value, str):
         return redact(value, secrets)
     if isinstance(value, Mapping):
         return {redact(k, secrets) if isinstance(k, str) else k:
-                (REDACTED if _secret_env_key(k) and value_is_set(v) else redact_data(v, secrets))
+                (REDACTED if _secret_env_key(k) and isinstance(v, str) and value_is_set(v)
+                 else redact_data(v, secrets))
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact_data(v, secrets) for v in value]

@@ -279,7 +279,7 @@ def test_an_environment_in_a_record_is_redacted_by_key_as_well_as_by_value():
     assert hidden == {"MY_SERVICE_TOKEN", "X_SIG", "VLLM_API_KEY", "ACCESS_CREDENTIALS", "DB_PASS", "SOME_AUTH"}
     assert out["engine"]["key"] == record["engine"]["key"]
     # upper-case keys that are not a secret's name keep their values: a verdict tally (a bare PASS is a verdict word)
-    tally = {"PASS": 3, "FAIL": "1 of 4", "ERROR": 0, "NOT EXERCISED": 1}
+    tally = {"PASS": 3, "FAIL": "1 of 4", "ERROR": 0, "NOT EXERCISED": 1, "TOKEN_COUNT": 12, "KEY_STATS": {"n": 2}}
     assert R.redact_data({"tally": tally}) == {"tally": tally}
     assert launcher.redact_env(env) == out["engine"]["env"]      # the launcher's log header: the same rule
     assert R.redact_env(env) == out["engine"]["env"]
