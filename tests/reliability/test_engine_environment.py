@@ -385,3 +385,24 @@ def test_url_redaction_is_linear_in_the_text():
         t0 = time.perf_counter()
         R.redact(text, [])
         assert time.perf_counter() - t0 < 3.0, text[:12]
+
+
+def test_a_gate_session_with_query_credentials_in_its_engine_url_prints_and_writes_none(tmp_path):
+    """`--engine-url http://...?client_secret=..&sig=..&access_key=..` (nothing answers there): the exit line names
+    the URL with every query value redacted, and nothing the session wrote holds one."""
+    from tests.reliability.helpers import exact_reference, plain_sequences
+
+    ref = tmp_path / "ref.safetensors"
+    exact_reference(plain_sequences()).save(ref)
+    secrets = ("cs-canary-7a", "sig-canary-7b", "ak-canary-7c")
+    url = f"http://127.0.0.1:9/v1?client_secret={secrets[0]}&sig={secrets[1]}&access_key={secrets[2]}"
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", KL_GATE, "-m", "gate",
+                           "--engine-url", url, "--reference", str(ref), "--results", str(results)],
+                          cwd=str(REPO), env=gate_session_env(), capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "error: --engine-url http://127.0.0.1:9/v1?client_secret=<redacted>&sig=<redacted>" \
+                                   "&access_key=<redacted>" in out, out[-3000:]
+    written = [p for p in results.rglob("*") if p.is_file()]
+    assert written                                            # results.json at least
+    assert not [s for s in secrets if s in out or any(s.encode() in p.read_bytes() for p in written)]
