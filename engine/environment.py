@@ -10,11 +10,13 @@ temporary folder, speak a locale, and the machine-level choices an operator make
 
     PATH HOME USER LOGNAME LANG LANGUAGE LC_* TZ TMPDIR TERM
     OMP_NUM_THREADS MKL_NUM_THREADS OPENBLAS_NUM_THREADS CUDA_VISIBLE_DEVICES NVIDIA_VISIBLE_DEVICES
+    CUBLAS_WORKSPACE_CONFIG (a box-wide determinism setting of cuBLAS)
 
 Tried on this repository's engines: vLLM CPU 0.32.0 on SmolLM2 (vllm-cpu-fp32) and on the tiny DeepSeek-V4
 (vllm-cpu-dsv4, whose fixes need PYTHONPATH, DS41_VLLM_FIXES and TRITON_INTERPRET: named in its profile), and the
 C++ llama-server, start and serve with this base and their profiles' [env] alone
-(tests/reliability/test_engine_environment.py).
+(tests/reliability/test_engine_environment.py). The engine's code the harness runs in process of the engine's
+venv (the localizer's runner, the kernel gate's runner, the vision tower runner) starts from the same base.
 
 **An allow-list of what configuration may set** (not a list of what it may not): ``SETTABLE`` names and the
 ``VLLM_DS41_`` prefix (the engine's own feature flags, the thing under test). Everything else is refused with a
@@ -45,6 +47,7 @@ REPO_PLACEHOLDER = "{repo}"
 BASE_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+    "CUBLAS_WORKSPACE_CONFIG",
 })
 BASE_PREFIXES = ("LC_",)
 

@@ -5,7 +5,6 @@ The verdict is the gate's (gates/lib/vision_tower.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -38,7 +37,9 @@ def run_engine_image_encoder(python: Path, model_dir: Path, pixels: Mapping[str,
     req = {"model_dir": str(model_dir), "inputs": str(work / "inputs.safetensors"),
            "outputs": str(work / "outputs.safetensors"), "report": str(work / "runner.json"), "dtypes": list(dtypes)}
     atomic_write_text(work / "request.json", json.dumps(req, indent=1))
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    from engine.environment import engine_base_env
+
+    env = engine_base_env()   # the engine's code starts from the minimal base (engine/environment.py)
     env.update(VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(repo_root()), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     t0 = time.perf_counter()
     proc = subprocess.run([str(python), "-m", "engine.vision_tower_runner", str(work / "request.json")],

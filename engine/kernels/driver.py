@@ -5,7 +5,6 @@ statistics under the registry's tolerances) is the gate's: gates/lib/kernels.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -59,7 +58,10 @@ def run_runner(python: Path, request: Path, timeout: float = 900.0) -> dict:
     """Run ``engine.kernels.runner`` in the engine environment; returns its report."""
     if not python.exists():
         raise KernelGateError(f"engine python not found: {python} (build it with scripts/setup-vllm.sh)")
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(REPO))
+    from engine.environment import engine_base_env
+
+    # the engine's code under test starts from the minimal base, never the harness's keys (engine/environment.py)
+    env = dict(engine_base_env(), VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(REPO))
     proc = subprocess.run([str(python), "-m", "engine.kernels.runner", str(request)], cwd=str(REPO), env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

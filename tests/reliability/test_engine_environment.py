@@ -406,3 +406,33 @@ def test_a_gate_session_with_query_credentials_in_its_engine_url_prints_and_writ
     written = [p for p in results.rglob("*") if p.is_file()]
     assert written                                            # results.json at least
     assert not [s for s in secrets if s in out or any(s.encode() in p.read_bytes() for p in written)]
+
+
+def test_the_kernel_and_vision_tower_runners_start_from_the_base(monkeypatch, tmp_path):
+    """The engine's code the harness runs in the engine's venv (the kernel gate's runner, the vision tower runner)
+    gets the minimal base too: the environment handed to the subprocess is captured, the run stops there."""
+    import engine.kernels.driver as driver
+    import engine.vision_tower as tower
+
+    class Captured(Exception):
+        pass
+
+    seen: list[dict] = []
+
+    def fake_run(argv, **kw):
+        seen.append(dict(kw["env"]))
+        raise Captured
+
+    monkeypatch.setenv("HF_TOKEN", "hf-canary-runner-1")
+    monkeypatch.setenv("DS41_ENGINE_API_KEY", "key-canary-runner-2")
+    monkeypatch.setenv("DS41_PERTURB_LAYER", "4")
+    for module in (driver, tower):
+        monkeypatch.setattr(module.subprocess, "run", fake_run)
+    with pytest.raises(Captured):
+        driver.run_runner(Path(sys.executable), tmp_path / "request.json")
+    with pytest.raises(Captured):
+        tower.run_engine_image_encoder(Path(sys.executable), tmp_path, {}, tmp_path / "work")
+    assert len(seen) == 2
+    for env in seen:
+        assert not {"HF_TOKEN", "DS41_ENGINE_API_KEY", "DS41_PERTURB_LAYER"} & set(env)
+        assert env["PATH"] == os.environ["PATH"] and env["PYTHONPATH"] == str(REPO)
