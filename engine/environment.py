@@ -117,7 +117,10 @@ def engine_base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def _git(args: list[str], repo: Path) -> list[str] | None:
     try:
-        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
+        # safe.directory from the command line (a protected scope): a checkout owned by another user (the
+        # nightly's service account reading the CI checkout) is still read, not refused as "dubious ownership"
+        proc = subprocess.run(["git", "-c", f"safe.directory={repo}", "-C", str(repo), *args], capture_output=True,
+                              text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout.split("\0")[:-1] if proc.returncode == 0 else None
