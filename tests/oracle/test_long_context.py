@@ -179,3 +179,83 @@ def test_long_options_refuse_nonsense():
     with pytest.raises(RunnerError, match="at least 2"):
         LongOptions(chunk=1)
     assert callable(run_long)
+
+
+@pytest.mark.long
+def test_tiny_v4_chunked_equals_one_pass():
+    """The tiny DeepSeek-V4 checkpoint (window 128, ratios 0/4/128/4, top-512): 600 tokens of long@1's code text
+    in chunks of 128 and 256 equal `Model.forward`'s one-pass prefill bit for bit at every position."""
+    from engine.dsv4_model import ensure_dsv4_tiny
+    from oracle.dsv41.block import head_step
+    from oracle.dsv41.checkpoint import Checkpoint
+    from oracle.dsv41.long_context import chunk_align
+    from oracle.dsv41.runner import full_weights
+    from panels import encode_panel, load_panel, load_tokenizer
+    from panels.long import select
+
+    ck = Checkpoint(ensure_dsv4_tiny())
+    m = Model(ck.model_config, full_weights(ck), None, with_mtp=False)
+    enc = encode_panel(select(load_panel("long@1"), [4096], ["code"]), load_tokenizer("deepseek"))
+    ids = torch.tensor([enc.sequences[0].token_ids[:600]])
+    one = m.forward(ids, m.new_state(1)).logits
+    for chunk in (128, 256):
+        st = m.new_state(1)
+        out = []
+        for a, e in chunk_bounds(600, chunk, chunk_align(m.cfg)):
+            h, pre, _ = m.trunk(ids[:, a:e], st)
+            out.append(head_step(m.head, h, pre, st.num))
+            for cache in st.caches.values():
+                cache.trim_window(m.cfg.window_size - 1)
+        got = torch.cat(out, dim=1)
+        diff = (got != one).any(-1)[0]
+        assert not diff.any(), f"chunk {chunk}: first differing position {int(diff.nonzero()[0])}"
+
+
+@pytest.fixture(scope="module")
+def tiny_v41_checkpoint(tmp_path_factory):
+    from oracle.dsv41.checkpoint import Checkpoint
+    from oracle.dsv41.tiny import write_tiny_checkpoint
+
+    return Checkpoint(write_tiny_checkpoint(tmp_path_factory.mktemp("v41") / "ck", seed=0))
+
+
+def _encoded(lengths, vocab):
+    from panels.model import EncodedPanel, EncodedSequence
+
+    seqs = []
+    for k, n in enumerate(lengths):
+        ids = _ids(n, 20 + k, vocab)[0].tolist()
+        mask = [p in (1, 2, n // 2, n - 1) for p in range(n)]
+        seqs.append(EncodedSequence(f"s{k}", "code", tuple(ids), tuple(mask)))
+    return EncodedPanel("unit-long", 1, "sha256:" + "a" * 64, "sha256:" + "b" * 64, tuple(seqs))
+
+
+@pytest.mark.long   # writes and loads a tiny V4.1 checkpoint: minutes on a loaded 2-core box
+def test_run_long_record_mechanisms_and_resume(tiny_v41_checkpoint, tmp_path):
+    """A record with per-position mechanisms; a rerun over the committed sequences loads no model and gives the
+    same arrays; a work dir of another job (another chunk size) is refused, naming what differs."""
+    from core.coverage import coverage_of_record
+
+    ck = tiny_v41_checkpoint
+    enc = _encoded([150, 90], ck.model_config.vocab_size)
+    opts = LongOptions(chunk=64, top_k=8, threads=1)
+    rec = run_long(ck, enc, tmp_path / "work", opts)
+    assert rec.mechanism_names is not None and rec.mechanisms.shape == (rec.n_positions,)
+    cov = coverage_of_record(rec)
+    assert cov.total_scored == 8 and cov.exercised("dspark_taps") and cov.exercised("engram_lookup")
+    assert cov.live["window_full_evicting"]["d0-128"] == 2       # rows 74 and 148 of s0 (window 64), not s1's 44
+    again = run_long(ck, enc, tmp_path / "work", opts)
+    assert again.provenance.extra["long_context"]["load_s"] == 0.0
+    for name in ("topk_ids", "topk_logprobs", "actual_logprob", "mechanisms"):
+        assert np.array_equal(getattr(rec, name), getattr(again, name))
+    with pytest.raises(RunnerError, match="another job .*'chunk'"):
+        run_long(ck, enc, tmp_path / "work", LongOptions(chunk=128, top_k=8, threads=1))
+
+
+def test_reference_bf16_runs_chunked(small_v4):
+    """reference-bf16 takes the same chunks (its products may depend on the row count, so no identity claim)."""
+    cfg, w = small_v4
+    m = Model(cfg, w, None, precision="reference-bf16")
+    ids = _ids(120, 11, cfg.vocab_size)
+    stats, _ = prefill_scored(m, ids[0].tolist(), np.array([3, 60, 119]), 16, top_k=4)
+    assert stats.topk_ids.shape == (3, 4) and np.isfinite(stats.actual_logprob).all()
