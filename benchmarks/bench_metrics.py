@@ -67,7 +67,10 @@ def make_records(n_positions: int, seq_len: int = 500, k_ref: int = 32, k_eng: i
     ref_lp = raw - lse
     # Engine: the reference logprobs perturbed, re-sorted; its k_eng ids are mostly the reference's,
     # with ~5% of the ranks-(k_eng+) replaced by ids the reference does not list.
+    # Renormalised against the same rest cell, so the engine's record is a distribution too (a KL is never
+    # negative between distributions, and the metrics refuse one that is).
     q_raw = ref_lp + rng.normal(0, 0.12, size=ref_lp.shape)
+    q_raw = q_raw - np.logaddexp(np.log(np.exp(q_raw).sum(axis=1, keepdims=True)), rest - lse)
     order = np.argsort(-q_raw, axis=1, kind="stable")[:, :k_eng]
     eng_ids = np.take_along_axis(ref_ids, order, axis=1)
     eng_lp = np.take_along_axis(q_raw, order, axis=1) - np.log(1.002)

@@ -7,8 +7,11 @@ from gates.lib.common import step
 
 
 def _run(ids, cached, p1=0.8, m=1.0):
+    """Top-2 steps: the runner-up `m` nats below `p1`, but never above the mass left (1 − p1): a record's
+    logprobs are one distribution."""
     import math
-    return prefix.Run(tuple(ids), tuple(step(a, math.log(p1), [(a, math.log(p1)), (a + 1, math.log(p1) - m)])
+    second = min(math.log(p1) - m, math.log1p(-p1))
+    return prefix.Run(tuple(ids), tuple(step(a, math.log(p1), [(a, math.log(p1)), (a + 1, second)])
                                         for a in ids), cached)
 
 
@@ -29,7 +32,7 @@ def test_unproven_hits_are_invalid(cold_c, warm_c, why):
 def test_pass_noise_fail_corrupt():
     cold = _run([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0)
     assert prefix.classify("c", cold, _run(cold.ids, 128), 128, 1e-6).verdict == "PASS"
-    tie = _run([1, 2, 3, 4], 0, m=0.01)
+    tie = _run([1, 2, 3, 4], 0, p1=0.45, m=0.01)
     assert prefix.classify("c", tie, _run([1, 2, 9, 4], 128), 128, 1e-6).verdict == "NOISE"
     assert prefix.classify("c", cold, _run([1, 2, 3, 9], 128), 128, 1e-6).verdict == "FAIL"
     assert prefix.classify("c", cold, _run([9, 2, 3], 128), 128, 1e-6).verdict == "CORRUPT"
