@@ -39,7 +39,8 @@ CANARY_NAMES = ("DS41_ENGINE_API_KEY", "HF_TOKEN", "OPENAI_API_KEY", "AWS_SECRET
 NOT_SECRET_BUT_NOT_BASE = ("DS41_PERTURB_LAYER", "OPENSSL_CONF", "VIRTUAL_ENV", "PYTHONSTARTUP")
 # the documented base (engine/environment.py's docstring), stated here independently of the code under test
 DOCUMENTED_BASE = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "OMP_NUM_THREADS",
-                   "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"}
+                   "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+                   "CUBLAS_WORKSPACE_CONFIG"}
 
 
 class _LazyEnvironmentModule:
