@@ -80,21 +80,25 @@ def parse_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
     if unknown:
         raise BandsError(f"{path}: unknown top-level key(s) {unknown}; allowed: ['depth', 'profiles']")
     parse_depth_bands(data, path)
-    profiles = data.get("profiles", {})
-    if not isinstance(profiles, dict):
-        raise BandsError(f"{path}: 'profiles' must be a table of profile tables")
-    allowed_domains = ("default",) + DOMAINS
+    return _band_tables(data, path, "profiles", ("default",) + DOMAINS, "domain")
+
+
+def _band_tables(data: dict, path: Path, section: str, allowed: tuple[str, ...], kind: str) -> dict[str, dict[str, Band]]:
+    """``[SECTION.PROFILE.KEY]`` band tables: every profile a table, every KEY in `allowed`, a 'default' band each."""
+    tables = data.get(section, {})
+    if not isinstance(tables, dict):
+        raise BandsError(f"{path}: '{section}' must be a table of profile tables")
     out: dict[str, dict[str, Band]] = {}
-    for name, table in profiles.items():
+    for name, table in tables.items():
         if not isinstance(table, dict):
-            raise BandsError(f"{path}: profiles.{name} must be a table of domain bands, got {table!r:.60}")
+            raise BandsError(f"{path}: {section}.{name} must be a table of {kind} bands, got {table!r:.60}")
         bands = {}
-        for domain, values in table.items():
-            if domain not in allowed_domains:
-                raise BandsError(f"{path}: profiles.{name}.{domain}: unknown domain; allowed: {list(allowed_domains)}")
-            bands[domain] = _band(path, f"profiles.{name}.{domain}", values)
+        for key, values in table.items():
+            if key not in allowed:
+                raise BandsError(f"{path}: {section}.{name}.{key}: unknown {kind}; allowed: {list(allowed)}")
+            bands[key] = _band(path, f"{section}.{name}.{key}", values)
         if "default" not in bands:
-            raise BandsError(f"{path}: profiles.{name} has no 'default' band")
+            raise BandsError(f"{path}: {section}.{name} has no 'default' band")
         out[name] = bands
     return out
 
@@ -112,23 +116,7 @@ def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
 def parse_depth_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
     """The per-depth-bucket bands (issue 39): ``[depth.PROFILE.BUCKET]`` tables (BUCKET a core.depth label or
     ``default``), the same four keys as a domain band, every one checked."""
-    depth = data.get("depth", {})
-    if not isinstance(depth, dict):
-        raise BandsError(f"{path}: 'depth' must be a table of profile tables")
-    allowed = ("default",) + BUCKET_LABELS
-    out: dict[str, dict[str, Band]] = {}
-    for name, table in depth.items():
-        if not isinstance(table, dict):
-            raise BandsError(f"{path}: depth.{name} must be a table of depth-bucket bands, got {table!r:.60}")
-        bands = {}
-        for bucket, values in table.items():
-            if bucket not in allowed:
-                raise BandsError(f"{path}: depth.{name}.{bucket}: unknown depth bucket; allowed: {list(allowed)}")
-            bands[bucket] = _band(path, f"depth.{name}.{bucket}", values)
-        if "default" not in bands:
-            raise BandsError(f"{path}: depth.{name} has no 'default' band")
-        out[name] = bands
-    return out
+    return _band_tables(data, path, "depth", ("default",) + BUCKET_LABELS, "depth bucket")
 
 
 def load_depth_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:

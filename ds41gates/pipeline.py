@@ -76,15 +76,7 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
     identity, checkpoint = _oracle_identity(oracle, Path(model_dir))
     path = reference_path(encoded, identity, top_k, oracle=oracle, precision=precision)
     if path.exists():
-        try:
-            ref = Record.load(path)
-        except RecordError as exc:
-            raise RecordError(f"{exc} — this is the cached oracle reference; delete it to rebuild: rm {path}") \
-                from None
-        if ref.provenance.panel_hash == encoded.panel_hash and ref.provenance.tokenizer_hash == encoded.tokenizer_hash:
-            _echo(f"oracle reference (cached): {path}")
-            return ref, path
-        raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
+        return _cached_reference(path, encoded, "oracle reference"), path
     _echo(f"building the {precision} {oracle} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
           f"({len(encoded.sequences)} sequences) …")
     partial = path.with_suffix(".partial.d")  # per-sequence checkpoints: a killed run resumes here
@@ -107,6 +99,19 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
     return ref, path
 
 
+def _cached_reference(path: Path, encoded, label: str) -> Record:
+    """The cached reference at `path`, refused (naming the file and how to rebuild) when unreadable or when it was
+    made for another panel or tokenizer."""
+    try:
+        ref = Record.load(path)
+    except RecordError as exc:
+        raise RecordError(f"{exc} — this is the cached oracle reference; delete it to rebuild: rm {path}") from None
+    if ref.provenance.panel_hash != encoded.panel_hash or ref.provenance.tokenizer_hash != encoded.tokenizer_hash:
+        raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
+    _echo(f"{label} (cached): {path}")
+    return ref
+
+
 def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32",
                           top_k: int = ORACLE_TOP_K) -> tuple[Record, Path]:
     """The DeepSeek oracle's long-context reference of `encoded` (oracle/dsv41/long_context.py: chunked prefill,
@@ -115,11 +120,7 @@ def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32",
     identity, checkpoint = _oracle_identity("deepseek", Path(model_dir))
     path = reference_path(encoded, identity, top_k, oracle="deepseek-long", precision=precision)
     if path.exists():
-        ref = Record.load(path)
-        if ref.provenance.panel_hash == encoded.panel_hash and ref.provenance.tokenizer_hash == encoded.tokenizer_hash:
-            _echo(f"long-context oracle reference (cached): {path}")
-            return ref, path
-        raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
+        return _cached_reference(path, encoded, "long-context oracle reference"), path
     from oracle.dsv41.long_context import LongOptions, run_long_to_file
 
     _echo(f"building the {precision} long-context deepseek oracle reference for {encoded.panel_name}@"
