@@ -8,13 +8,8 @@ from typing import Optional
 
 import typer
 
+from core.console import echo
 from core.errors import UserError
-
-
-def _echo(msg: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[bold cyan]ds41[/] {msg}", highlight=False)
 
 
 def _suites(spec: str) -> list[str]:
@@ -67,7 +62,7 @@ def eval_app(
                                   precision=precision_of(prof), tokenizer_dir=tokenizer or str(default_model_dir()))
     elif engine_profile and not engine_url:
         model_dir = default_model_dir()
-        server, endpoint = launch_endpoint(engine_profile, model_dir, echo=_echo)
+        server, endpoint = launch_endpoint(engine_profile, model_dir, echo=echo)
     else:
         from engine.client import ClientConfig, EngineClient
 
@@ -87,7 +82,7 @@ def eval_app(
             endpoint = EngineEndpoint(root, models[0], "url", engine=engine, tokenizer_dir=tokenizer)
     try:
         recs = run_suites(endpoint, names, out, settings, tokenizer,
-                          {s: data for s in names if s.endswith("+")}, progress=not no_progress, echo=_echo,
+                          {s: data for s in names if s.endswith("+")}, progress=not no_progress, echo=echo,
                           score_only=score_only)
     finally:
         if server is not None:
@@ -127,7 +122,7 @@ def eval_compare_app(
             if common:
                 n_a, n_b = len(ra.problems), len(rb.problems)
                 ra, rb = common_problems(ra, rb)
-                _echo(f"{ra.suite}: pairing the {len(ra.problems)} problems both runs hold ({la}: {n_a}, {lb}: {n_b})")
+                echo(f"{ra.suite}: pairing the {len(ra.problems)} problems both runs hold ({la}: {n_a}, {lb}: {n_b})")
             comps.append(compare_records(ra, rb, la, lb))
     if not comps:
         raise UserError(f"{baseline} and {candidate} share no suite")
@@ -156,7 +151,7 @@ def ifeval_panel_app(
     def tick(i: int, n: int) -> None:
         if i == n or i - last[0] >= 10:
             last[0] = i
-            _echo(f"ifeval-replies: {i}/{n} oracle replies")
+            echo(f"ifeval-replies: {i}/{n} oracle replies")
 
     path = build_panel(model or default_model_dir(), n_prompts, max_new_tokens, version, data_dir or DATA_DIR,
                        progress=tick)
