@@ -1,0 +1,290 @@
+"""The results folder of one gate run: the one object that names every file a run writes, and the only way the
+harness writes or reads them.
+
+A run claims its folder once (`ResultsFolder.claim` for a given ``--results`` / ``--out``, `ResultsFolder.fresh`
+for the default ``results/<timestamp>``): the folder then holds that run only, marked and locked for as long as
+the run lives (the refusals are core/paths.py's, docs/RELIABILITY.md "Verdict integrity"). A reader of a finished
+run (the nightly reading a cell, `ds41gate report`) opens it with `ResultsFolder.of` and claims nothing.
+
+What lies in a results folder::
+
+    .ds41-results, .ds41-results.lock     the run's marker and lock (RunMarker)
+    results.json                          core.results.GateResults, rewritten after every gate
+    report.json, report.md, report.html   the session report (reports/render.py), report.manifest.json last
+    per_prompt.json                       PerPrompt: each engine record's per-prompt mean KL_part (--per-prompt-metrics)
+    engine-<label>.safetensors            the engine records the gates scored (core.records.Record)
+    junit.xml, pytest.log                 what the nightly asks its cell's pytest for
+    needles_heatmap.png                   the needles gate's figure
+    vision_tower.json, vision-tower-work/ the vision tower gate's verdict evidence and its engine's scratch folder
+    evals/                                the task evals' generations and eval records (evals/run.py)
+    localize/, localize-flag-<F>/         the localizer's output for a failed panel gate, for a failed flag
+
+Every name that comes from outside (an engine label, a flag, an eval suite) goes through `core.paths.safe_name`, so
+no file of a run lies outside its folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pydantic
+from pydantic import ConfigDict, Field, TypeAdapter
+from pydantic.dataclasses import dataclass as typed_record
+
+from core import paths
+from core.atomic import write_json_atomic
+from core.errors import UserError
+from core.results import FILE_NAME as RESULTS_FILE
+from core.results import GateResults
+
+if TYPE_CHECKING:
+    from core.records import Record
+
+PER_PROMPT_FORMAT = "ds41-per-prompt/1"
+
+# the report set's file names (reports/render.py writes them as one unit, the manifest last)
+REPORT_JSON = "report.json"
+REPORT_MARKDOWN = "report.md"
+REPORT_HTML = "report.html"
+REPORT_MANIFEST = "report.manifest.json"
+
+
+class PerPromptError(UserError, ValueError):
+    """A per_prompt.json cannot be read as `ds41-per-prompt/1`; the message names the file and what it found."""
+
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+@typed_record(frozen=True, config=_STRICT)
+class PromptMeans:
+    """One engine record against the reference: the mean KL_part of each prompt (None where the prompt has no
+    finite, unambiguous position) and how many of its positions are a hard fail (infinite KL_part)."""
+
+    kl_part: tuple[float | None, ...] = Field(strict=False)
+    hard_fails: int = Field(ge=0)
+
+
+@typed_record(frozen=True, config=_STRICT)
+class PerPrompt:
+    """per_prompt.json: the per-prompt series the nightly history keeps per engine record (paired trends)."""
+
+    seq_ids: tuple[str, ...] = Field(strict=False)
+    domains: tuple[str, ...] = Field(strict=False)
+    engines: dict[str, PromptMeans] = dataclasses.field(default_factory=dict)
+    format: Literal["ds41-per-prompt/1"] = PER_PROMPT_FORMAT
+
+    @classmethod
+    def of(cls, reference: Record, engines: Sequence[tuple[str, Record]]) -> PerPrompt:
+        """Each engine record's per-prompt mean KL_part against `reference` (pure)."""
+        import numpy as np
+
+        from core import metrics
+
+        means_by_label = {}
+        for label, rec in engines:
+            pm = metrics.position_metrics(reference, rec)
+            keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
+            means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(reference.seq_ids))
+            means_by_label[label] = PromptMeans(tuple(float(m) if np.isfinite(m) else None for m in means),
+                                                int(np.sum(~np.isfinite(pm.kl_part))))
+        return cls(tuple(reference.seq_ids), tuple(reference.domains), means_by_label)
+
+    def to_data(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> PerPrompt:
+        refused = f"{where}: not a {PER_PROMPT_FORMAT} file"
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise PerPromptError(f"{refused}: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise PerPromptError(f"{refused}: found a JSON {type(data).__name__}, not an object")
+        if data.get("format") != PER_PROMPT_FORMAT:
+            raise PerPromptError(f"{refused}: format {data.get('format')!r:.60}")
+        try:
+            return _PER_PROMPT.validate_json(text, strict=True)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(p) for p in first["loc"]) or "top level"
+            raise PerPromptError(f"{refused}: {key}: {first['msg'].lower()}") from None
+
+
+_PER_PROMPT = TypeAdapter(PerPrompt)
+
+
+@typed_record(frozen=True, config=ConfigDict(extra="ignore", strict=True))
+class RunMarker:
+    """What the harness wrote into `.ds41-results` when a run claimed the folder (core/paths.py)."""
+
+    format: Literal["ds41-results-dir/1"]
+    run_id: str
+    pid: int | None = None
+    host: str | None = None
+    created: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultsFolder:
+    """One run's results folder. Made by `claim` / `fresh` (this process's run: marked and locked until
+    `release`) or `of` (a finished run's, to read)."""
+
+    path: Path
+
+    # ------------------------------------------------------------------ claiming (core/paths.py's rules)
+    @classmethod
+    def claim(cls, path: str | os.PathLike, *, replace: bool = False, option: str = "--results",
+              replace_option: str = "--replace-results") -> ResultsFolder:
+        """`path` made this run's folder: absent or empty, or — with `replace` — an earlier run's folder cleared
+        first; anything else is a ResultsDirError naming `option`. Call it after the run's inputs are checked."""
+        return cls(paths.claim_results_dir(path, replace=replace, option=option, replace_option=replace_option))
+
+    @classmethod
+    def fresh(cls, root: str | os.PathLike = "results", stem: str | None = None) -> ResultsFolder:
+        """A new `root/<stem or timestamp>[-N]` no other run has used, claimed for this run."""
+        return cls(paths.fresh_results_dir(root, stem))
+
+    @classmethod
+    def claim_or_fresh(cls, path: str | os.PathLike | None, *, replace: bool = False, option: str = "--results",
+                       replace_option: str = "--replace-results") -> ResultsFolder:
+        """`claim(path)` when a folder is given, else a `fresh` one under results/."""
+        if path:
+            return cls.claim(path, replace=replace, option=option, replace_option=replace_option)
+        return cls.fresh()
+
+    @staticmethod
+    def check(path: str | os.PathLike | None, *, replace: bool = False, option: str = "--results",
+              replace_option: str = "--replace-results") -> None:
+        """`claim`'s refusals without touching anything: refuse a reused folder before slow input checks."""
+        paths.check_results_dir(path, replace=replace, option=option, replace_option=replace_option)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> ResultsFolder:
+        """A finished run's folder, to read its files; nothing is claimed or made."""
+        return cls(Path(path))
+
+    def release(self) -> None:
+        """Let go of this run's lock on the folder (a no-op when this process holds none)."""
+        paths.release_results_dir(self.path)
+
+    def marker(self) -> RunMarker | None:
+        """The run marker, when one the harness wrote is there (a file merely named like it marks nothing)."""
+        doc = paths.read_marker(self.path)
+        return None if doc is None else RunMarker(**doc)
+
+    # ------------------------------------------------------------------ names
+    @property
+    def results_file(self) -> Path:
+        return self.path / RESULTS_FILE
+
+    @property
+    def per_prompt_file(self) -> Path:
+        return self.path / "per_prompt.json"
+
+    @property
+    def junit_file(self) -> Path:
+        return self.path / "junit.xml"
+
+    @property
+    def pytest_log(self) -> Path:
+        return self.path / "pytest.log"
+
+    @property
+    def report_json(self) -> Path:
+        return self.path / REPORT_JSON
+
+    @property
+    def report_markdown(self) -> Path:
+        return self.path / REPORT_MARKDOWN
+
+    @property
+    def report_html(self) -> Path:
+        return self.path / REPORT_HTML
+
+    @property
+    def needles_heatmap(self) -> Path:
+        return self.path / "needles_heatmap.png"
+
+    @property
+    def vision_tower_file(self) -> Path:
+        return self.path / "vision_tower.json"
+
+    @property
+    def vision_tower_work(self) -> Path:
+        return self.path / "vision-tower-work"
+
+    @property
+    def evals_dir(self) -> Path:
+        return self.path / "evals"
+
+    @property
+    def localize_dir(self) -> Path:
+        return self.path / "localize"
+
+    def localize_flag_dir(self, flag: str) -> Path:
+        return self.path / f"localize-flag-{paths.safe_name(flag, 'flag')}"
+
+    def engine_record_file(self, label: str) -> Path:
+        return self.path / f"engine-{paths.safe_name(label, 'engine label')}.safetensors"
+
+    def eval_record_file(self, suite: str) -> Path:
+        return self.evals_dir / eval_record_name(suite)
+
+    # ------------------------------------------------------------------ writing and reading
+    def write_results(self, results: GateResults) -> None:
+        results.save(self.results_file)
+
+    def read_results(self) -> GateResults:
+        """results.json (a ResultsError naming the file when absent or not `ds41-results/1`)."""
+        return GateResults.load(self.results_file)
+
+    def write_per_prompt(self, per_prompt: PerPrompt) -> None:
+        write_json_atomic(self.per_prompt_file, per_prompt.to_data())
+
+    def read_per_prompt(self) -> PerPrompt | None:
+        """per_prompt.json, or None when the run wrote none; an unreadable one is a PerPromptError."""
+        try:
+            text = self.per_prompt_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PerPromptError(f"{self.per_prompt_file}: cannot read it ({exc})") from None
+        return PerPrompt.from_json(text, str(self.per_prompt_file))
+
+    def save_engine_record(self, label: str, record: Record) -> Path:
+        path = self.engine_record_file(label)
+        record.save(path)
+        return path
+
+    def load_engine_record(self, label: str) -> Record:
+        from core.records import Record
+
+        return Record.load(self.engine_record_file(label))
+
+    def subfolder(self, path: Path) -> Path:
+        """`path` (one of this folder's named subfolders) made, and returned."""
+        if path.parent != self.path:
+            raise ValueError(f"{path} is not a subfolder of the results folder {self.path}")
+        path.mkdir(exist_ok=True)
+        return path
+
+
+def eval_record_name(suite: str) -> str:
+    """The eval record of one suite (evals/run.py): `<suite>.eval.json`, a `+` spelled `plus`."""
+    return f"{_suite_stem(suite)}.eval.json"
+
+
+def generations_name(suite: str) -> str:
+    """The resumable generations of one suite (evals/run.py): `<suite>.generations.jsonl`."""
+    return f"{_suite_stem(suite)}.generations.jsonl"
+
+
+def _suite_stem(suite: str) -> str:
+    return paths.safe_name(suite.replace("+", "plus"), "eval suite")
