@@ -18,7 +18,9 @@ the model (`model_validator`) and still read as the house's one-line errors.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import pydantic
@@ -34,10 +36,31 @@ T = TypeVar("T")
 Seq = Annotated[tuple[T, ...], Field(strict=False)]
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a table, as a schema's own wording sees it: where (``loc``, the key path), pydantic's
+    error ``kind``, the ``value`` found there, the house's default ``text`` for it, and for unknown keys (kind
+    ``extra_forbidden``, ``loc`` then the table holding them) every ``unknown`` key of that table and the ``known``
+    ones."""
+
+    loc: tuple[int | str, ...]
+    kind: str
+    value: Any
+    text: str
+    unknown: tuple[str, ...] = ()
+    known: tuple[str, ...] = ()
+
+
 class StrictModel(BaseModel):
     """The base of every config schema: unknown keys refused, frozen, strict scalars."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @classmethod
+    def explain(cls, problem: Problem, data: Any) -> str | None:
+        """The schema's own one-line wording of ``problem`` in the table ``data`` (without the file's name), where
+        a file's established messages differ from the house default; None: the default (``key: text``)."""
+        return None
 
 
 # pydantic's wording for the plain shape errors, in the house's words (what the key must be)
@@ -73,39 +96,81 @@ def key_path(loc: Sequence[int | str]) -> str:
 
 
 def _model_at(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
-    """The model class whose table sits at ``loc`` inside ``model`` (None where the path leaves models)."""
+    """The model class whose table sits at ``loc`` inside ``model``, through nested models, tables of models
+    (``dict[str, M]``) and arrays of them (None where the path leaves models)."""
     current: Any = model
     for part in loc:
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or not isinstance(part, str):
+        while typing.get_origin(current) is Annotated:
+            current = typing.get_args(current)[0]
+        origin, args = typing.get_origin(current), typing.get_args(current)
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
+            info = current.model_fields.get(part)
+            current = info.annotation if info is not None else None
+        elif origin in (dict, Mapping) and len(args) == 2:
+            current = args[1]
+        elif origin in (tuple, list) and args and isinstance(part, int):
+            current = args[0]
+        else:
             return None
-        info = current.model_fields.get(part)
-        if info is None:
-            return None
-        current = info.annotation
+    while typing.get_origin(current) is Annotated:
+        current = typing.get_args(current)[0]
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-def describe_error(model: type[BaseModel], detail: Any) -> str:
-    """One pydantic error (an item of ``ValidationError.errors()``) as ``key: what is wrong``."""
-    loc = tuple(detail.get("loc", ()))
-    kind = detail.get("type", "")
-    msg = str(detail.get("msg", ""))
-    if kind == "extra_forbidden":
-        owner = _model_at(model, loc[:-1])
-        known = f" (known: {', '.join(sorted(owner.model_fields))})" if owner is not None else ""
-        text = f"unknown key{known}"
-    elif kind in _SHAPES:
-        text = _SHAPES[kind]
-        if kind != "missing":
-            text += f", got {detail.get('input')!r:.60}"
-    else:
-        for prefix in _RAISED_PREFIXES:
-            if msg.startswith(prefix):
-                msg = msg[len(prefix):]
-                break
-        text = msg
-    path = key_path(loc)
-    return f"{path}: {text}" if path else text
+def value_at(data: Any, loc: Sequence[int | str]) -> Any:
+    """The value at a key path in a parsed table (None where the path does not lead)."""
+    for part in loc:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _default_text(kind: str, msg: str, value: Any) -> str:
+    if kind in _SHAPES:
+        return _SHAPES[kind] + ("" if kind == "missing" else f", got {value!r:.60}")
+    for prefix in _RAISED_PREFIXES:
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def problems_of(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Problem]:
+    """A ValidationError's problems in order, the unknown keys of one table gathered into one problem."""
+    out: list[Problem] = []
+    unknown_at: dict[tuple[int | str, ...], list[str]] = {}
+    for detail in exc.errors(include_url=False):
+        loc = tuple(detail.get("loc", ()))
+        kind = str(detail.get("type", ""))
+        if kind == "extra_forbidden":
+            table = loc[:-1]
+            if table not in unknown_at:
+                unknown_at[table] = []
+                out.append(Problem(table, kind, None, ""))
+            unknown_at[table].append(str(loc[-1]))
+            continue
+        value = detail.get("input")
+        out.append(Problem(loc, kind, value, _default_text(kind, str(detail.get("msg", "")), value)))
+    done = []
+    for problem in out:
+        if problem.kind == "extra_forbidden":
+            owner = _model_at(model, problem.loc)
+            known = tuple(sorted(owner.model_fields)) if owner is not None else ()
+            keys = unknown_at[problem.loc]
+            text = f"unknown key(s) {keys}" + (f"; known: {list(known)}" if known else "")
+            problem = Problem(problem.loc, problem.kind, None, text, tuple(keys), known)
+        done.append(problem)
+    return done
+
+
+def describe(model: type[BaseModel], problem: Problem, data: Any) -> str:
+    """One problem as one line (without the file's name): the schema's own wording, else ``key: text``."""
+    own = model.explain(problem, data) if issubclass(model, StrictModel) else None
+    if own is None:
+        path = key_path(problem.loc)
+        own = f"{path}: {problem.text}" if path else problem.text
+    return own.split("\n")[0]
 
 
 def parse_model(model: type[M], data: Any, where: str, error: type[UserError]) -> M:
@@ -114,10 +179,9 @@ def parse_model(model: type[M], data: Any, where: str, error: type[UserError]) -
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = exc.errors(include_url=False)
-        first = describe_error(model, problems[0]).split("\n")[0]
+        problems = problems_of(model, exc)
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise error(f"{where}: {first}{more}") from None
+        raise error(f"{where}: {describe(model, problems[0], data)}{more}") from None
 
 
 def read_model(model: type[M], path: str | os.PathLike, what: str, error: type[UserError]) -> M:

@@ -62,8 +62,8 @@ def test_validator_message_names_file_and_dotted_key():
 
 def test_unknown_key_names_key_and_the_known_ones():
     assert _message({"name": "a", "gate": {"orcale": "deepseek"}}) == \
-        "x.toml: gate.orcale: unknown key (known: oracle, size)"
-    assert _message({"name": "a", "nmae": "b"}) == "x.toml: nmae: unknown key (known: args, gate, name, ratio)"
+        "x.toml: gate: unknown key(s) ['orcale']; known: ['oracle', 'size']"
+    assert _message({"name": "a", "nmae": "b"}) == "x.toml: unknown key(s) ['nmae']; known: ['args', 'gate', 'name', 'ratio']"
 
 
 def test_shape_errors_say_what_the_key_must_be():
@@ -104,3 +104,35 @@ def test_read_model_goes_through_the_one_reader(tmp_path):
     broken.write_text("name = \n")
     with pytest.raises(ConfigError, match=r"broken\.toml: cannot read test config"):
         read_model(Top, broken, "test config", ConfigError)
+
+
+class Flag(StrictModel):
+    env: dict[str, str] = {}
+    args: Seq[str] = ()
+
+
+class WithFlags(StrictModel):
+    flags: dict[str, Flag] = {}
+
+    @classmethod
+    def explain(cls, problem, data):
+        if problem.kind == "string_type" and problem.loc[-1] == "args":
+            return "never reached: the loc of an item ends in its index"
+        if problem.kind == "dict_type":
+            return f"[{key_path(problem.loc)}] must be a table of strings, not {problem.value!r}"
+        return None
+
+
+def test_unknown_keys_of_one_table_are_gathered_and_known_ones_found_through_tables_of_models():
+    with pytest.raises(ConfigError) as info:
+        parse_model(WithFlags, {"flags": {"F": {"colour": 1, "size": 2}}}, "p.toml", ConfigError)
+    assert str(info.value) == "p.toml: flags.F: unknown key(s) ['colour', 'size']; known: ['args', 'env']"
+
+
+def test_a_schema_words_its_own_problems_and_falls_back_to_the_default():
+    with pytest.raises(ConfigError) as info:
+        parse_model(WithFlags, {"flags": {"F": {"env": 3}}}, "p.toml", ConfigError)
+    assert str(info.value) == "p.toml: [flags.F.env] must be a table of strings, not 3"
+    with pytest.raises(ConfigError) as info:
+        parse_model(WithFlags, {"flags": {"F": {"args": [1]}}}, "p.toml", ConfigError)
+    assert str(info.value) == "p.toml: flags.F.args[0]: must be a string, got 1"
