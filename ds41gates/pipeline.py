@@ -14,7 +14,7 @@ from core.paths import cache_dir, claim_results_dir, fresh_results_dir, safe_nam
 from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
 from engine.models import default_model_dir
-from engine.profiles import ORACLE_PRECISIONS
+from oracle.kinds import long_context_kinds, oracle_kind
 
 DEFAULT_PANEL = "default"
 ORACLE_TOP_K = 256
@@ -39,8 +39,8 @@ def encode_default_panel(panel: str = DEFAULT_PANEL, model_dir: Path | None = No
 def reference_path(encoded, identity: str, top_k: int = ORACLE_TOP_K, *, oracle: str = "transformers",
                    precision: str = "fp32") -> Path:
     """The cache file of the reference `oracle` writes over `encoded`, named by the oracle and its own identity
-    of what it loads (transformers: the weight files' hash; deepseek: the checkpoint build's identity, as its
-    provenance's checkpoint_hash) and the precision it computes in."""
+    of what it loads (oracle.kinds: OracleKind.identity — the weight files' hash for transformers, the checkpoint
+    build's identity for deepseek, as its provenance's checkpoint_hash) and the precision it computes in."""
     safe_name(f"{encoded.panel_name}@{encoded.panel_version}", "panel name")   # part of a cache file name
     safe_name(f"{oracle}-{precision}", "oracle name")
     ph = encoded.panel_hash.split(":")[-1][:12]
@@ -50,51 +50,26 @@ def reference_path(encoded, identity: str, top_k: int = ORACLE_TOP_K, *, oracle:
     return cache_dir() / "references" / name
 
 
-def _oracle_identity(oracle: str, model_dir: Path):
-    """(identity of what the oracle loads, the loaded handle its run reuses)."""
-    if oracle == "deepseek":
-        from oracle.dsv41.checkpoint import Checkpoint
-        from oracle.dsv41.runner import checkpoint_identity
-
-        ck = Checkpoint(model_dir)
-        return checkpoint_identity(ck), ck
-    import oracle.hf
-
-    return oracle.hf.model_hash(model_dir), None
-
-
 def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
                      oracle: str = "transformers", precision: str = "fp32") -> tuple[Record, Path]:
     """Load the cached reference `oracle` wrote for (panel, tokenizer, what it loads, precision), or build it
-    (resumably) and cache it. `oracle`: "transformers" (oracle/hf.py) or "deepseek" (the layer-streamed
-    DeepSeek oracle, oracle/dsv41); `precision` one of engine.profiles.ORACLE_PRECISIONS[oracle]."""
-    if oracle not in ORACLE_PRECISIONS:
-        raise ValueError(f"oracle {oracle!r}: expected 'transformers' or 'deepseek'")
-    if precision not in ORACLE_PRECISIONS[oracle]:
-        raise ValueError(f"precision {precision!r}: the {oracle} oracle's reference is built in "
-                         f"{ORACLE_PRECISIONS[oracle]}")
-    identity, checkpoint = _oracle_identity(oracle, Path(model_dir))
-    path = reference_path(encoded, identity, top_k, oracle=oracle, precision=precision)
+    (resumably) and cache it. `oracle`: a kind of oracle.kinds.ORACLE_KINDS; `precision` one of its
+    gate_precisions."""
+    kind = oracle_kind(oracle)
+    kind.check_gate_precision(precision)
+    identity = kind.identity(Path(model_dir))
+    path = reference_path(encoded, identity.value, top_k, oracle=kind.name, precision=precision)
     if path.exists():
         return _cached_reference(path, encoded, "oracle reference"), path
-    _echo(f"building the {precision} {oracle} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
+    _echo(f"building the {precision} {kind.name} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
           f"({len(encoded.sequences)} sequences) …")
-    partial = path.with_suffix(".partial.d")  # per-sequence checkpoints: a killed run resumes here
+    partial = path.with_suffix(".partial.d")  # per-sequence / per-layer checkpoints: a killed run resumes here
     # one thread: on a shared 2-core box two threads were 14x slower than one (docs/RELIABILITY.md)
-    if oracle == "deepseek":
-        from oracle.dsv41.runner import RunOptions, run_panel
-
-        ref = run_panel(checkpoint, encoded, partial,
-                        RunOptions(precision=precision, threads=1, top_k=top_k, progress=False))
-    else:
-        from oracle.hf import score_panel_hf
-
-        ref = score_panel_hf(model_dir, encoded, top_k=top_k, checkpoint_dir=partial, progress=False, threads=1)
+    ref = kind.oracle(identity, Path(model_dir), partial, precision=precision, top_k=top_k, threads=1).score(encoded)
     ref.save(path)
-    if oracle == "deepseek":
-        import shutil
+    import shutil
 
-        shutil.rmtree(partial, ignore_errors=True)  # layer activations: only for resuming an interrupted run
+    shutil.rmtree(partial, ignore_errors=True)  # only for resuming an interrupted run
     _echo(f"oracle reference written: {path}")
     return ref, path
 
@@ -112,22 +87,23 @@ def _cached_reference(path: Path, encoded, label: str) -> Record:
     return ref
 
 
-def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32",
-                          top_k: int = ORACLE_TOP_K) -> tuple[Record, Path]:
-    """The DeepSeek oracle's long-context reference of `encoded` (oracle/dsv41/long_context.py: chunked prefill,
-    logits only at scored positions, per-position mechanism masks), cached beside the other references under the
-    oracle name ``deepseek-long``; built (resumably, one sequence at a time) when missing."""
-    identity, checkpoint = _oracle_identity("deepseek", Path(model_dir))
-    path = reference_path(encoded, identity, top_k, oracle="deepseek-long", precision=precision)
+def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32", top_k: int = ORACLE_TOP_K,
+                          oracle: str | None = None) -> tuple[Record, Path]:
+    """The long-context reference of `encoded` by `oracle` (a kind with OracleKind.long_context; None: the one
+    registered kind that has it), cached beside the other references under the name ``<kind>-long``; built
+    (resumably, one sequence at a time) when missing."""
+    if oracle is None:
+        (oracle,) = long_context_kinds()
+    kind = oracle_kind(oracle).check_long_context()
+    identity = kind.identity(Path(model_dir))
+    path = reference_path(encoded, identity.value, top_k, oracle=f"{kind.name}-long", precision=precision)
     if path.exists():
         return _cached_reference(path, encoded, "long-context oracle reference"), path
-    from oracle.dsv41.long_context import LongOptions, run_long_to_file
-
-    _echo(f"building the {precision} long-context deepseek oracle reference for {encoded.panel_name}@"
+    _echo(f"building the {precision} long-context {kind.name} oracle reference for {encoded.panel_name}@"
           f"{encoded.panel_version} ({len(encoded.sequences)} sequences) …")
     # one thread, as ensure_reference (a shared 2-core box)
-    ref = run_long_to_file(checkpoint, encoded, path, path.with_suffix(".partial.d"),
-                           LongOptions(precision=precision, threads=1, top_k=top_k))
+    ref = kind.long_reference(identity, encoded, path, path.with_suffix(".partial.d"), precision=precision,
+                              top_k=top_k, threads=1)
     _echo(f"long-context oracle reference written: {path}")
     return ref, path
 

@@ -62,20 +62,17 @@ def vocab_strings(tokenizer_dir: str | os.PathLike) -> dict[str, tuple[int, ...]
 
 
 def adapter_for(engine: str, vocab_size: int | None = None, tokenizer_dir: str | os.PathLike | None = None):
-    from engine.adapters.llamacpp import LlamaCppPythonAdapter, LlamaServerAdapter
-    from engine.adapters.sglang import SglangAdapter
-    from engine.adapters.vllm import VllmAdapter
+    """The adapter registered for `engine` (engine.adapters.ENGINE_KINDS); a text-only engine also gets the
+    model's tokenizer (ids -> text, each id's string, its BOS)."""
+    from engine.adapters import TEXT_ONLY_ENGINES, adapter_class
 
-    table = {"vllm": VllmAdapter, "sglang": SglangAdapter, "llama-server": LlamaServerAdapter,
-             "llama-cpp-python": LlamaCppPythonAdapter}
-    if engine not in table:
-        raise ValueError(f"unknown engine kind {engine!r}; known: {sorted(table)}")
-    if engine == "llama-cpp-python" and tokenizer_dir is not None:
+    adapter = adapter_class(engine)
+    if engine in TEXT_ONLY_ENGINES and tokenizer_dir is not None:
         config = Path(tokenizer_dir) / "config.json"
         bos = json.loads(config.read_text()).get("bos_token_id") if config.is_file() else None
-        return table[engine](vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir), bos_id=bos,
-                             vocab_strings=vocab_strings(tokenizer_dir))
-    return table[engine](vocab_size=vocab_size)
+        return adapter(vocab_size=vocab_size, text_of=text_of_ids(tokenizer_dir), bos_id=bos,
+                       vocab_strings=vocab_strings(tokenizer_dir))
+    return adapter(vocab_size=vocab_size)
 
 
 def client_for(endpoint: EngineEndpoint, max_concurrency: int = 1):

@@ -31,10 +31,17 @@ def test_the_transformers_reference_is_saved_once_under_its_weights_hash(tmp_pat
 
     monkeypatch.setenv("DS41_CACHE", str(tmp_path / "cache"))
     built = _Built()
+    calls = []
+
+    def score(self, encoded):   # the Oracle seam of the transformers kind, as the registry built it
+        calls.append((self.model_dir, self.threads, self.top_k, self.checkpoint_dir, encoded))
+        return built
+
     monkeypatch.setattr(oracle.hf, "model_hash", lambda d: "f" * 64)
-    monkeypatch.setattr(oracle.hf, "score_panel_hf", lambda *a, **k: built)
+    monkeypatch.setattr(oracle.hf.HFPanelOracle, "score", score)
     ref, path = pipeline.ensure_reference(ENC, tmp_path / "model")
     assert ref is built and built.saved == [path]
+    assert calls == [(tmp_path / "model", 1, pipeline.ORACLE_TOP_K, path.with_suffix(".partial.d"), ENC)]
     assert path.name == "unit@1-aaaaaaaaaaaa-tokbbbbbbbbbbbb-transformers-ffffffffffff-fp32-k256.safetensors"
 
 
@@ -48,7 +55,7 @@ def test_the_deepseek_reference_is_saved_once_under_the_checkpoint_identity(tmp_
     monkeypatch.setenv("DS41_CACHE", str(tmp_path / "cache"))
     built, calls = _Built(), []
 
-    def run_panel(ck, encoded, work, opts):
+    def run_panel(ck, encoded, work, opts, token_map=None):
         calls.append((ck.dir, opts.precision, opts.threads, opts.top_k))
         (work / "layer-activations").mkdir(parents=True)   # what the runner leaves for resuming
         return built
@@ -67,3 +74,11 @@ def test_an_unknown_oracle_or_precision_is_refused_before_any_work(tmp_path):
         pipeline.ensure_reference(ENC, tmp_path, oracle="jax")
     with pytest.raises(ValueError, match="precision 'bf16'"):
         pipeline.ensure_reference(ENC, tmp_path, oracle="deepseek", precision="bf16")
+    with pytest.raises(ValueError, match="precision 'reference-bf16'"):   # runs in it, but no gate reference
+        pipeline.ensure_reference(ENC, tmp_path, oracle="deepseek", precision="reference-bf16")
+
+
+def test_the_long_context_reference_is_refused_for_a_kind_without_one(tmp_path):
+    with pytest.raises(ValueError, match="long-context reference needs an oracle that has one \\(\\['deepseek'\\]\\); "
+                                         "this target uses 'transformers'"):
+        pipeline.ensure_long_reference(ENC, tmp_path, oracle="transformers")
