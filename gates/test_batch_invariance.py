@@ -28,7 +28,7 @@ def _subjects(cfg, tok):
     from panels.bench import encode_chat_prompt, load_bench
 
     bench = load_bench()
-    return [(cls, encode_chat_prompt(tok, bench.decode_class(cls)[0].text)) for cls in cfg["subjects"]]
+    return [(cls, encode_chat_prompt(tok, bench.decode_class(cls)[0].text)) for cls in cfg.subjects]
 
 
 def _companion(tok, n_tokens: int, seed: int):
@@ -42,22 +42,22 @@ def _companion(tok, n_tokens: int, seed: int):
 
 @pytest.fixture(scope="module")
 def batch_runs(engine_client, gate_config, gate_tokenizer):
-    cfg = gate_config["batch"]
-    n, k = cfg["max_tokens"], cfg["k"]
+    cfg = gate_config.batch
+    n, k = cfg.max_tokens, cfg.k
     c = engine_client
     go = lambda ids, sid: (lambda: _engine.complete(c, ids, n, k, seq_id=sid))
     from panels.bench import encode_chat_prompt, load_bench
 
     short = encode_chat_prompt(gate_tokenizer, load_bench().acceptance_domain("chat")[0].text)
-    comps = [short] + [_companion(gate_tokenizer, L, i) for i, L in enumerate(cfg["companion_lengths"])]
-    long_comp = _companion(gate_tokenizer, cfg["mid_decode_companion_tokens"], 99)
+    comps = [short] + [_companion(gate_tokenizer, L, i) for i, L in enumerate(cfg.companion_lengths)]
+    long_comp = _companion(gate_tokenizer, cfg.mid_decode_companion_tokens, 99)
     out: list[batch.Comparison] = []
     solos = {}
     for name, ids in _subjects(cfg, gate_tokenizer):
         solo = _out(go(ids, name)())
         solos[name] = (ids, solo)
         out.append(batch.compare("serial repeat", name, solo, _out(go(ids, name)())))
-        for b in cfg["copies"]:
+        for b in cfg.copies:
             res = _engine.together([go(ids, f"{name}#{i}") for i in range(b)])
             for i, g in enumerate(res):
                 out.append(batch.compare(f"{b} identical copies", f"{name} copy {i}", solo, _out(g)))
@@ -78,7 +78,7 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
                 comp_result.append(exc)
 
         def on_tokens(total: int) -> None:
-            if total >= cfg["mid_decode_after"] and not fired.is_set():
+            if total >= cfg.mid_decode_after and not fired.is_set():
                 fired.set()
                 t = threading.Thread(target=companion)
                 t.start()
@@ -100,7 +100,7 @@ def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config
     gate_results.add(GateEntry("batch_invariance", res.passed, profile=engine_endpoint.profile,
                                failures=res.failures, metrics=headline(res.summary),
                                evidence={"summary": res.summary, "scenarios": res.scenarios,
-                                         "comparisons": res.rows, "config": gate_config["batch"]}))
+                                         "comparisons": res.rows, "config": gate_config.for_json("batch")}))
     gate_results.add_section("Batch invariance (gates.md §5)",
                              [{k: v for k, v in s.items() if k != "first_divergences"} for s in res.scenarios],
                              f"{engine_endpoint.profile}: verdict = greedy token ids equal to the solo run; "
@@ -116,12 +116,12 @@ def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_
     reported as a mismatch with its first diverging position; a truncated output must never count as equal."""
     from panels.bench import encode_chat_prompt, load_bench
 
-    cfg = gate_config["batch"]
+    cfg = gate_config.batch
     _, solos = batch_runs
     name, (ids, solo) = next(iter(solos.items()))
     changed = encode_chat_prompt(gate_tokenizer, load_bench().decode_class(name)[1].text)
     assert tuple(changed) != tuple(ids)
-    other = _engine.complete(engine_client, changed, cfg["max_tokens"], cfg["k"], seq_id="changed")
+    other = _engine.complete(engine_client, changed, cfg.max_tokens, cfg.k, seq_id="changed")
     cmp = batch.compare("changed request", name, solo, _out(other))
     truncated = batch.compare("truncated", name, solo, batch.Output(solo.ids[:-3], solo.steps[:-3]))
     res = batch.judge([cmp, truncated])

@@ -34,23 +34,24 @@ def _prompt(tok, n_tokens: int) -> tuple[int, ...]:
 
 
 def _band(gate_config, profile: str, flags: tuple[str, ...]) -> sc.Band:
-    cfg = gate_config["selfconsistency"]
-    floors = cfg.get("floors", {})
+    cfg = gate_config.selfconsistency
+    floors = cfg.floors
     key = "+".join([profile, *sorted(flags)])
-    mean, worst = floors.get(key, floors.get(profile, (cfg["floor_mean"], cfg["floor_worst"])))
-    return sc.Band(cfg["spread_factor"], float(mean), float(worst), cfg["top1_decided_min"], cfg["min_positions"])
+    mean, worst = floors.get(key, floors.get(profile, (cfg.floor_mean, cfg.floor_worst)))
+    return sc.Band(cfg.spread_factor, float(mean), float(worst), cfg.top1_decided_min, cfg.min_positions)
 
 
 def _run_lengths(lengths, gate_name, engine_client, engine_facts, engine_endpoint, gate_config, gate_tokenizer,
                  gate_results):
-    cfg = gate_config["long_context"]
-    n, k = cfg["max_tokens"], cfg["k"]
+    cfg = gate_config.long_context
+    n, k = cfg.max_tokens, cfg.k
     profile = engine_endpoint.profile
     limit = engine_facts["max_model_len"]
     if not lengths or limit is None or max(lengths) + n > limit:
         why = (f"no long-context lengths configured for profile {profile!r} ([long_context] of its sizes file)"
                if not lengths else f"max_model_len {limit} cannot hold {max(lengths)} + {n} tokens")
-        gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,), evidence={"config": cfg}))
+        gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,),
+                                   evidence={"config": cfg.model_dump(mode="json")}))
         pytest.xfail(f"{gate_name} not applicable: {why}")
     runs, seconds = [], {}
     for length in lengths:
@@ -72,7 +73,8 @@ def _run_lengths(lengths, gate_name, engine_client, engine_facts, engine_endpoin
     gate_results.add(GateEntry(gate_name, res.passed, profile=profile, failures=res.failures,
                                metrics=headline(res.summary),
                                evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
-                                         "seconds": seconds, "max_model_len": limit, "config": cfg}))
+                                         "seconds": seconds, "max_model_len": limit,
+                                         "config": cfg.model_dump(mode="json")}))
     rows = [{k: r[k] for k in ("region", "positions", "kl_part_mean", "kl_part_max", "top1_decided",
                               "spread_mean", "band", "pass")} for r in res.rows]
     gate_results.add_section(f"Long context: decode after a long prefill vs one-pass prefill ({gate_name})", rows,
@@ -86,7 +88,7 @@ def _run_lengths(lengths, gate_name, engine_client, engine_facts, engine_endpoin
 def test_long_prefill_self_consistency(engine_client, engine_facts, engine_endpoint, gate_config, gate_tokenizer,
                                        gate_results):
     """CI: the profile's ci_lengths (vllm-cpu-dsv4: one prompt past 2,048 tokens, so the indexer prunes)."""
-    _run_lengths(gate_config["long_context"]["ci_lengths"], "long_self_consistency", engine_client, engine_facts,
+    _run_lengths(gate_config.long_context.ci_lengths, "long_self_consistency", engine_client, engine_facts,
                  engine_endpoint, gate_config, gate_tokenizer, gate_results)
 
 
@@ -94,7 +96,7 @@ def test_long_prefill_self_consistency(engine_client, engine_facts, engine_endpo
 def test_long_prefill_self_consistency_deep(engine_client, engine_facts, engine_endpoint, gate_config,
                                             gate_tokenizer, gate_results):
     """Nightly: the profile's long_lengths (vllm-cpu-dsv4: 4K and 16K)."""
-    _run_lengths(gate_config["long_context"]["long_lengths"], "long_self_consistency_deep", engine_client,
+    _run_lengths(gate_config.long_context.long_lengths, "long_self_consistency_deep", engine_client,
                  engine_facts, engine_endpoint, gate_config, gate_tokenizer, gate_results)
 
 
@@ -120,7 +122,7 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
                else f"max_model_len {limit} cannot hold {max(lengths)} tokens")
         gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,)))
         pytest.xfail(f"{gate_name} not applicable: {why}")
-    domains = gate_config["long_context"]["kl_domains"] or None   # none listed: every domain of long@1
+    domains = gate_config.long_context.kl_domains or None   # none listed: every domain of long@1
     encoded = encode_panel(select(load_panel("long"), lengths=lengths, domains=domains), gate_target.tokenizer)
     t0 = time.perf_counter()
     ref = long_reference(encoded)
@@ -150,7 +152,7 @@ def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_confi
     """long@1's items of the profile's kl_lengths (vllm-cpu-dsv4: 2,560 tokens, past the indexer's 2,048). Marked
     long: the oracle's reference of the five 2,560-token items took ~11 min per item on this loaded 2-core box (it
     is cached after; docs/DSV4_ENGINE.md §9), beyond CI's budget on a fresh machine."""
-    _kl_by_depth(gate_config["long_context"]["kl_lengths"], "long_kl_by_depth", engine_endpoint, engine_facts,
+    _kl_by_depth(gate_config.long_context.kl_lengths, "long_kl_by_depth", engine_endpoint, engine_facts,
                  gate_target, gate_config, long_reference, gate_results)
 
 
@@ -158,5 +160,5 @@ def test_long_kl_by_depth(engine_endpoint, engine_facts, gate_target, gate_confi
 def test_long_kl_by_depth_deep(engine_endpoint, engine_facts, gate_target, gate_config, long_reference,
                                gate_results):
     """Nightly: long@1's items of the profile's long_kl_lengths (vllm-cpu-dsv4: 16K)."""
-    _kl_by_depth(gate_config["long_context"]["long_kl_lengths"], "long_kl_by_depth_deep", engine_endpoint,
+    _kl_by_depth(gate_config.long_context.long_kl_lengths, "long_kl_by_depth_deep", engine_endpoint,
                  engine_facts, gate_target, gate_config, long_reference, gate_results)

@@ -34,26 +34,26 @@ def _cell(client, tok, case, max_tokens, answer_prefix=""):
 def needle_runs(engine_client, gate_config, engine_facts, gate_tokenizer):
     from panels.needles import needle_grid
 
-    cfg = gate_config["needles"]
+    cfg = gate_config.needles
     mml = engine_facts["max_model_len"] or 2048
-    grid = needle_grid(mml, lengths=cfg["lengths"], depths=cfg["depths"], seed=cfg["seed"])
+    grid = needle_grid(mml, lengths=cfg.lengths, depths=cfg.depths, seed=cfg.seed)
     cells, solo = [], {}
     for case in grid:
-        cell, ids, gen = _cell(engine_client, gate_tokenizer, case, cfg["max_tokens"], cfg["answer_prefix"])
+        cell, ids, gen = _cell(engine_client, gate_tokenizer, case, cfg.max_tokens, cfg.answer_prefix)
         cells.append(cell)
         solo[(case.length, case.depth)] = (ids, gen)
-    extra = [n for n in cfg["report_only_lengths"] if n <= mml - 64]
+    extra = [n for n in cfg.report_only_lengths if n <= mml - 64]
     report_only = []
     if extra:
-        for case in needle_grid(mml, lengths=extra, depths=cfg["depths"], seed=cfg["seed"]):
-            report_only.append(_cell(engine_client, gate_tokenizer, case, cfg["max_tokens"])[0])
+        for case in needle_grid(mml, lengths=extra, depths=cfg.depths, seed=cfg.seed):
+            report_only.append(_cell(engine_client, gate_tokenizer, case, cfg.max_tokens)[0])
     burst = []
     longest = max(c.length for c in grid)
     for (length, depth), (ids, gen) in solo.items():
-        if length != longest or depth != cfg["depths"][0]:
+        if length != longest or depth != cfg.depths[0]:
             continue
-        outs = _engine.together([lambda: _engine.complete(engine_client, ids, cfg["max_tokens"], 1, ignore_eos=False)
-                                 for _ in range(cfg["burst_copies"])])
+        outs = _engine.together([lambda: _engine.complete(engine_client, ids, cfg.max_tokens, 1, ignore_eos=False)
+                                 for _ in range(cfg.burst_copies)])
         for i, o in enumerate(outs):
             burst.append((f"length {length}, depth {depth:g}, copy {i}", tuple(o.token_ids) == tuple(gen.token_ids)))
     return {"cells": cells, "burst": burst, "max_model_len": mml, "grid": grid, "report_only": report_only}
@@ -85,8 +85,8 @@ def _heatmap_png(cells, path):
 
 def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
     r = needle_runs
-    cfg = gate_config["needles"]
-    res = needles.judge(r["cells"], r["burst"], gate_found=cfg["gate_found"])
+    cfg = gate_config.needles
+    res = needles.judge(r["cells"], r["burst"], gate_found=cfg.gate_found)
     png = gate_results.out_dir / "needles_heatmap.png"
     _heatmap_png(r["cells"] + r["report_only"], png)
     extra_rows = [{**c.as_row(), "gated": False} for c in r["report_only"]]
@@ -94,17 +94,17 @@ def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
                                metrics=headline(res.summary),
                                evidence={"summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
                                          "max_model_len": r["max_model_len"], "heatmap_png": str(png),
-                                         "report_only_cells": extra_rows, "answer_prefix": cfg["answer_prefix"],
+                                         "report_only_cells": extra_rows, "answer_prefix": cfg.answer_prefix,
                                          "report_only_found": f"{sum(c.passed for c in r['report_only'])}/"
                                                               f"{len(r['report_only'])}",
-                                         "config": gate_config["needles"]}))
+                                         "config": gate_config.for_json("needles")}))
     gate_results.add_section("Needles: length × depth (gates.md §7)",
                              res.heatmap + [{**row, "length": f"{row['length']} (plain question, report-only)"}
                                             for row in needles.heatmap_rows(r["report_only"])],
                              f"{engine_endpoint.profile}: {res.summary['found']}/{res.summary['cells']} found, burst == "
                              f"solo {res.summary['burst_equal']}; grid capped by max_model_len {r['max_model_len']}")
     gate_results.add_section("Needles: cells", [{**row, "gated": True} for row in res.rows] + extra_rows,
-                             f"exact substring match of the passphrase; gated cells primed with {cfg['answer_prefix']!r}; "
+                             f"exact substring match of the passphrase; gated cells primed with {cfg.answer_prefix!r}; "
                              "report-only cells ask the plain question (the model's own limit)")
     assert res.summary["cells"] == len(r["grid"]) > 0 and r["burst"]
     assert res.passed, "needle gate failed:\n" + "\n".join(res.failures)
@@ -115,7 +115,7 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     passphrase; the gate must report the cell as missed, and judge must fail."""
     from panels.needles import build_haystack
 
-    cfg = gate_config["needles"]
+    cfg = gate_config.needles
     case = needle_runs["grid"][0]
     hay = build_haystack(gate_tokenizer, case.length, case.depth, case.seed, chat=True)
     start = hay.needle_token_offset
@@ -124,9 +124,9 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     n_needle = len(gate_tokenizer.tokenizer.encode(piece, add_special_tokens=False).ids)
     cut = ids[:start] + ids[start + n_needle:]
     assert gate_tokenizer.tokenizer.decode(cut).count(hay.passphrase) == 0
-    if cfg["answer_prefix"]:  # the same prompt form as the gated cells
-        cut += gate_tokenizer.tokenizer.encode(cfg["answer_prefix"], add_special_tokens=False).ids
-    gen = _engine.complete(engine_client, cut, cfg["max_tokens"], 1, ignore_eos=False, seq_id="needle-cut")
+    if cfg.answer_prefix:  # the same prompt form as the gated cells
+        cut += gate_tokenizer.tokenizer.encode(cfg.answer_prefix, add_special_tokens=False).ids
+    gen = _engine.complete(engine_client, cut, cfg.max_tokens, 1, ignore_eos=False, seq_id="needle-cut")
     cell = needles.Cell(case.length, case.depth, case.seed, len(cut), hay.actual_depth, hay.passphrase, gen.text)
     res = needles.judge([cell])
     gate_results.add(GateEntry("needles_violation", not res.passed, evidence={"caught": res.failures,

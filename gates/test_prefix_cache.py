@@ -50,13 +50,13 @@ def _cases(cfg, block: int, tok):
     src = _source_ids(tok)
     enc = lambda s: list(tok.tokenizer.encode(s, add_special_tokens=False).ids)
     turn, b1, b2 = enc(TURN), enc(BRANCHES[0]), enc(BRANCHES[1])
-    lengths = sorted({m * block + d for m in cfg["boundaries"] for d in (-1, 0, 1)} | set(cfg["extra_lengths"]))
+    lengths = sorted({m * block + d for m in cfg.boundaries for d in (-1, 0, 1)} | set(cfg.extra_lengths))
     cases = []
     for L in lengths:
         if L + len(turn) + 2 > len(src):
             raise ValueError(f"prefix source has {len(src)} tokens, too few for a shared prefix of {L}")
         shared = src[:L]
-        for kind in cfg["kinds"]:
+        for kind in cfg.kinds:
             prime, test = {"exact": (shared, shared), "extend": (shared, shared + turn),
                            "fork": (shared + b1, shared + b2)}[kind]
             exp = prefix.expected_cached(L, len(test), block)
@@ -66,7 +66,7 @@ def _cases(cfg, block: int, tok):
 
 
 def _run(client, ids, cfg, salt=None) -> prefix.Run:
-    g = _engine.complete(client, ids, cfg["max_tokens"], cfg["k"], salt=salt, seq_id="prefix")
+    g = _engine.complete(client, ids, cfg.max_tokens, cfg.k, salt=salt, seq_id="prefix")
     return prefix.Run(tuple(g.token_ids), tuple(g.positions), g.cached_tokens)
 
 
@@ -75,7 +75,7 @@ def _one_case(client, case, cfg, kl_tol):
     salt = uuid.uuid4().hex
     _engine.complete(client, case["prime"], 1, 1, salt=salt, seq_id="prefix-prime")
     warm = _run(client, case["test"], cfg, salt=salt)
-    return cold, warm, prefix.classify(case["case"], cold, warm, case["expected"], kl_tol, cfg["fail_window"])
+    return cold, warm, prefix.classify(case["case"], cold, warm, case["expected"], kl_tol, cfg.fail_window)
 
 
 def _fill_cache(client, tok, tokens: int, max_model_len: int):
@@ -101,7 +101,7 @@ def applicability(request, engine_endpoint, engine_facts) -> prefix.Applicabilit
 
 @pytest.fixture(scope="module")
 def prefix_runs(request, engine_client, engine_endpoint, gate_config, engine_facts, gate_tokenizer):
-    cfg = gate_config["prefix"]
+    cfg = gate_config.prefix
     appl = applicability(request, engine_endpoint, engine_facts)
     if appl.problem:
         return {"misdeclared": appl.problem}
@@ -117,8 +117,8 @@ def prefix_runs(request, engine_client, engine_endpoint, gate_config, engine_fac
     # F_run: two cold runs of the first three cases
     pairs = [(_run(engine_client, c["test"], cfg), _run(engine_client, c["test"], cfg)) for c in cases[:3]]
     f_run = prefix.run_to_run(pairs)
-    kl_tol = max(cfg["spread_factor"] * f_run, cfg["kl_tol_floor"])
-    labels = [f"pass {i + 1}" for i in range(cfg["passes"])] + (["after eviction"] if cfg["eviction_pass"] else [])
+    kl_tol = max(cfg.spread_factor * f_run, cfg.kl_tol_floor)
+    labels = [f"pass {i + 1}" for i in range(cfg.passes)] + (["after eviction"] if cfg.eviction_pass else [])
     verdicts, rows, kept = [], [], {}
     for label in labels:
         if label == "after eviction":
@@ -149,7 +149,7 @@ def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config):
     gate_results.add(GateEntry("prefix_cache", res.passed, profile=engine_endpoint.profile, failures=res.failures,
                                metrics={**headline(res.counts), "f_run": r["f_run"], "kl_tol": r["kl_tol"]},
                                evidence={"cases": r["rows"], "block_size": r["block"], "passes": r["labels"],
-                                         "not_testable": r["skipped"], "config": gate_config["prefix"]}))
+                                         "not_testable": r["skipped"], "config": gate_config.for_json("prefix")}))
     gate_results.add_section("Prefix cache: cold vs warm (gates.md §6)", r["rows"],
                              f"{engine_endpoint.profile}: block size {r['block']}; passes {r['labels']}; "
                              f"counts {res.counts}; F_run {r['f_run']:.3g}, per-step KL tolerance {r['kl_tol']:.3g}; "
@@ -166,7 +166,7 @@ def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_clien
         pytest.fail(f"prefix cache gate: {prefix_runs['misdeclared']}")
     if "not_applicable" in prefix_runs:
         pytest.xfail(f"prefix cache gate not applicable: {prefix_runs['not_applicable']}")
-    cfg = gate_config["prefix"]
+    cfg = gate_config.prefix
     case, cold = next((c, cold) for c, cold in prefix_runs["cases"].values() if c["kind"] == "fork")
     salt = uuid.uuid4().hex
     _engine.complete(engine_client, case["prime"], 1, 1, salt=salt, seq_id="prefix-prime")

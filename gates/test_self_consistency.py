@@ -22,8 +22,8 @@ def _prompts(cfg, tok):
 
     bench = load_bench()
     out = []
-    for domain in cfg["domains"]:
-        for p in bench.acceptance_domain(domain)[: cfg["prompts_per_domain"]]:
+    for domain in cfg.domains:
+        for p in bench.acceptance_domain(domain)[: cfg.prompts_per_domain]:
             out.append((p.id, domain, encode_chat_prompt(tok, p.text)))
     return out
 
@@ -35,8 +35,8 @@ def _prefill_steps(client, prompt_ids, gen_ids, k):
 
 @pytest.fixture(scope="module")
 def sc_runs(engine_client, gate_config, gate_tokenizer):
-    cfg = gate_config["selfconsistency"]
-    n, k = cfg["max_tokens"], cfg["k"]
+    cfg = gate_config.selfconsistency
+    n, k = cfg.max_tokens, cfg.k
     runs = []
     for pid, domain, ids in _prompts(cfg, gate_tokenizer):
         d1 = _engine.complete(engine_client, ids, n, k, seq_id=pid)
@@ -50,19 +50,19 @@ def sc_runs(engine_client, gate_config, gate_tokenizer):
 def _band(cfg, profile: str = "", flags: tuple[str, ...] = ()) -> sc.Band:
     """The floor of ``profile+flag+...`` (flags sorted) when the config names one, else the profile's, else the
     default: a flag can change the kernels decode and prefill run (gates/config-vllm-cpu-dsv4.toml)."""
-    floors = cfg.get("floors", {})
+    floors = cfg.floors
     key = "+".join([profile, *sorted(flags)])
-    mean, worst = floors.get(key, floors.get(profile, (cfg["floor_mean"], cfg["floor_worst"])))
-    return sc.Band(cfg["spread_factor"], float(mean), float(worst), cfg["top1_decided_min"], cfg["min_positions"])
+    mean, worst = floors.get(key, floors.get(profile, (cfg.floor_mean, cfg.floor_worst)))
+    return sc.Band(cfg.spread_factor, float(mean), float(worst), cfg.top1_decided_min, cfg.min_positions)
 
 
 def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results):
-    cfg = gate_config["selfconsistency"]
+    cfg = gate_config.selfconsistency
     res = sc.judge(sc_runs, _band(cfg, engine_endpoint.profile, engine_endpoint.flags), block=engine_facts["block_size"])
     gate_results.add(GateEntry("self_consistency", res.passed, profile=engine_endpoint.profile,
                                failures=res.failures, metrics=headline(res.summary),
                                evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
-                                         "config": cfg}))
+                                         "config": cfg.model_dump(mode="json")}))
     rows = [{k: r[k] for k in ("region", "positions", "kl_part_mean", "kl_part_median", "kl_part_max", "top1_decided",
                               "max_abs_dlogprob_decided", "spread_mean", "band", "pass")} for r in res.rows]
     gate_results.add_section("Self-consistency: decode vs prefill (gates.md §4)", rows,
@@ -77,12 +77,12 @@ def test_self_consistency_detects_wrong_context(sc_runs, engine_client, engine_e
                                                 gate_results):
     """Violation: the decode steps of prompt A against a prefill that scores the same generated ids after
     another prompt's context (what a decode path reading the wrong KV looks like). The gate must fail."""
-    cfg = gate_config["selfconsistency"]
+    cfg = gate_config.selfconsistency
     prompts = _prompts(cfg, gate_tokenizer)
     a, other = sc_runs[0], prompts[-1]
     assert other[0] != a.prompt_id
     gen_ids = [s.actual_id for s in a.decode[0]]
-    wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg["k"])
+    wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg.k)
     bad = sc.PromptRuns(a.prompt_id + "+wrong-context", a.domain, a.prompt_len, a.decode, (wrong, wrong))
     res = sc.judge([bad], _band(cfg, engine_endpoint.profile, engine_endpoint.flags))
     gate_results.add(GateEntry("self_consistency_violation", not res.passed,

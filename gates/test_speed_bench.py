@@ -64,35 +64,35 @@ def _plot(result: dict, path: Path) -> None:
 def bench_result(engine_client, engine_endpoint, gate_config, gate_tokenizer, engine_facts):
     from panels.bench import encode_chat_prompt, load_bench, prefill_prompt
 
-    cfg = gate_config["bench"]
+    cfg = gate_config.bench
     c = engine_client
     sets = load_bench()
     invalid: list[str] = []
-    prompts = {cls: [encode_chat_prompt(gate_tokenizer, p.text) for p in sets.decode_class(cls)[: cfg["prompts_per_class"]]]
-               for cls in cfg["decode_classes"]}
+    prompts = {cls: [encode_chat_prompt(gate_tokenizer, p.text) for p in sets.decode_class(cls)[: cfg.prompts_per_class]]
+               for cls in cfg.decode_classes}
     for ids_list in prompts.values():                      # warm-up: one short request per prompt
         for ids in ids_list:
-            _engine.stream(c, ids, cfg["warmup_tokens"])
+            _engine.stream(c, ids, cfg.warmup_tokens)
     decode = {}
     for cls, ids_list in prompts.items():
         tps, ttfts, texts = [], [], {}
         for ids in ids_list:
-            for _ in range(cfg["reps"]):
-                t = _engine.stream(c, ids, cfg["max_tokens"], seq_id=f"bench-{cls}")
+            for _ in range(cfg.reps):
+                t = _engine.stream(c, ids, cfg.max_tokens, seq_id=f"bench-{cls}")
                 s = _times(t)
-                if s.n_out != cfg["max_tokens"]:
-                    invalid.append(f"decode {cls}: {s.n_out} tokens, expected {cfg['max_tokens']}")
+                if s.n_out != cfg.max_tokens:
+                    invalid.append(f"decode {cls}: {s.n_out} tokens, expected {cfg.max_tokens}")
                     continue
                 tps.append(bench.decode_tps(s))
                 ttfts.append(bench.ttft(s))
                 texts.setdefault(tuple(ids), set()).add(tuple(t.generation.token_ids))
-        decode[cls] = {"decode_tps": bench.med(tps), "ttft_s": bench.med(ttfts), "tokens": cfg["max_tokens"],
+        decode[cls] = {"decode_tps": bench.med(tps), "ttft_s": bench.med(ttfts), "tokens": cfg.max_tokens,
                        "identical_texts": all(len(v) == 1 for v in texts.values())}
     prefill = {}
     mml = engine_facts["max_model_len"] or 2048
-    for n in [x for x in cfg["prefill_lengths"] if x < mml]:
+    for n in [x for x in cfg.prefill_lengths if x < mml]:
         tps, ttfts = [], []
-        for _ in range(cfg["prefill_reps"]):
+        for _ in range(cfg.prefill_reps):
             p = prefill_prompt(gate_tokenizer, n)
             s = _times(_engine.stream(c, [int(x) for x in p.token_ids], 1, seq_id=f"prefill-{n}"))
             try:
@@ -102,12 +102,12 @@ def bench_result(engine_client, engine_endpoint, gate_config, gate_tokenizer, en
                 invalid.append(f"prefill {n}: {exc}")
         prefill[str(n)] = {"prefill_tps": bench.med(tps), "ttft_s": bench.med(ttfts)}
     streams = {}
-    base = prompts[cfg["decode_classes"][0]][0]
-    for n in cfg["streams"]:
-        calls = [lambda: _engine.stream(c, base, cfg["stream_max_tokens"], seq_id="stream") for _ in range(n)]
+    base = prompts[cfg.decode_classes[0]][0]
+    for n in cfg.streams:
+        calls = [lambda: _engine.stream(c, base, cfg.stream_max_tokens, seq_id="stream") for _ in range(n)]
         streams[str(n)] = bench.aggregate([_times(t) for t in _engine.together(calls)])
     return {"profile": engine_endpoint.profile, "decode": decode, "prefill": prefill, "streams": streams,
-            "invalid": invalid, "config": cfg,
+            "invalid": invalid, "config": cfg.model_dump(mode="json"),
             "definitions": "decode tok/s = (N_out-1)/(t_last-t_first); TTFT = t_first-t_send; "
                            "prefill tok/s = N_in/TTFT with cached == 0; aggregate e2e = ΣN_out/(max t_last-min t_send); "
                            "aggregate decode = ΣN_out/(max t_last-min t_first)"}
@@ -127,7 +127,7 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
     best = {}
     if BEST_KNOWN.exists():
         best = tomllib.loads(BEST_KNOWN.read_text()).get(engine_endpoint.profile, {})
-    regress = bench.regressions(_medians(r), best, gate_config["bench"]["regression_ratio"])
+    regress = bench.regressions(_medians(r), best, gate_config.bench.regression_ratio)
     r["regressions"] = regress
     r["best_known"] = best or None
     out = gate_results.out_dir
@@ -147,7 +147,7 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
                              f"{'none recorded' if not best else len(best)}")
     assert not r["invalid"], "invalid bench measurements:\n" + "\n".join(r["invalid"])
     assert all(v["decode_tps"]["median"] and v["decode_tps"]["median"] > 0 for v in r["decode"].values())
-    assert set(r["streams"]) == {str(n) for n in gate_config["bench"]["streams"]}
+    assert set(r["streams"]) == {str(n) for n in gate_config.bench.streams}
     assert not regress, "speed regression:\n" + "\n".join(regress)
 
 

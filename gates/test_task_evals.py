@@ -23,12 +23,12 @@ def test_task_evals(engine_endpoint, gate_config, gate_results, request):
     from evals.records import EvalRecord
     from evals.run import Settings, run_suites
 
-    cfg = gate_config["evals"]
-    limits = {"humaneval": cfg["humaneval_limit"], "ifeval": cfg["ifeval_limit"]}
+    cfg = gate_config.evals
+    limits = {"humaneval": cfg.humaneval_limit, "ifeval": cfg.ifeval_limit}
     out = gate_results.out_dir / "evals"
     recs = {}
-    for suite in cfg["suites"]:
-        settings = Settings(max_tokens=cfg["max_tokens"], concurrency=cfg["concurrency"],
+    for suite in cfg.suites:
+        settings = Settings(max_tokens=cfg.max_tokens, concurrency=cfg.concurrency,
                             limit=limits.get(suite) or None)
         recs.update(run_suites(engine_endpoint, [suite], out, settings, progress=False))
     baseline = request.config.getoption("--eval-baseline")
@@ -39,7 +39,7 @@ def test_task_evals(engine_endpoint, gate_config, gate_results, request):
             if not path.is_file():
                 pytest.fail(f"--eval-baseline {baseline}: no {path.name} (run the same suites there first)")
             comparisons.append(compare_records(EvalRecord.load(path), rec, "baseline", engine_endpoint.profile))
-    gate = eval_gate(comparisons, cfg["alpha"])
+    gate = eval_gate(comparisons, cfg.alpha)
     gate_results.add(GateEntry("task_evals", gate.passed, profile=engine_endpoint.profile, failures=gate.failures,
                                metrics={f"{s}.{k}": v for s, r in recs.items() for k, v in headline(r.scores()).items()},
                                evidence={"baseline": baseline, "comparisons": [c.as_dict() for c in comparisons]}))

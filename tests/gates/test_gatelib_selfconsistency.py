@@ -74,14 +74,14 @@ def test_a_flag_floor_replaces_the_profile_floor_only_with_that_flag():
     """gates/config-vllm-cpu-dsv4.toml gives fp8_weights its own floor (decode and prefill run different fp8
     GEMM paths); the profile without the flag keeps the default."""
     from engine.target import gate_sizes
-    from gates.conftest import load_gate_config
+    from gates.sizes import load_gate_sizes
     from gates.test_self_consistency import _band
 
-    cfg = load_gate_config(gate_sizes("vllm-cpu-dsv4"))["selfconsistency"]
+    cfg = load_gate_sizes(gate_sizes("vllm-cpu-dsv4")).selfconsistency
     with_flag = _band(cfg, "vllm-cpu-dsv4", ("fp8_weights",))
     assert (with_flag.floor_mean, with_flag.floor_worst) == (1e-3, 2e-3)
     plain = _band(cfg, "vllm-cpu-dsv4")
-    assert (plain.floor_mean, plain.floor_worst) == (cfg["floor_mean"], cfg["floor_worst"]) == (1e-4, 1e-3)
+    assert (plain.floor_mean, plain.floor_worst) == (cfg.floor_mean, cfg.floor_worst) == (1e-4, 1e-3)
     assert _band(cfg, "vllm-cpu-dsv4", ("kv_cache_2g",)).floor_mean == 1e-4      # another flag: the profile's
     fp32 = _band(cfg, "vllm-cpu-fp32", ("fp8_weights",))                          # no such key: the profile's own
     assert (fp32.floor_mean, fp32.floor_worst) == (1e-4, 1e-3)
