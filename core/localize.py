@@ -55,7 +55,8 @@ from core.errors import UserError
 FORMAT = "ds41-localize/2"
 PHASES = ("prefill", "decode")
 # a decoder layer's sites in forward order; the DeepSeek-only ones appear where the engine has them
-LAYER_MODULES = ("attn_in", "compressor", "indexer", "attn", "attn_stream", "ffn_in", "router", "mlp", "resid")
+LAYER_MODULES = ("attn_in", "compressor", "indexer", "attn", "attn_stream", "ffn_in", "router", "router_weights", "mlp",
+                 "resid")
 SITE_ORDER = LAYER_MODULES          # the per-layer modules (the record's module names)
 OUTER_SITES = ("embed", "final_norm", "logits")
 DISCRETE_MODULES = ("indexer", "router")   # sets compared, not vectors (engine/localize_runner.py)

@@ -55,7 +55,8 @@ import time
 import traceback
 
 SITES = ("attn", "mlp", "resid")           # per decoder layer
-STREAM_SITES = ("attn_in", "attn_stream", "ffn_in", "indexer", "router")   # DeepSeek-V4's, where a layer has them
+# DeepSeek-V4's, where a layer has them
+STREAM_SITES = ("attn_in", "compressor", "attn_stream", "ffn_in", "indexer", "router", "router_weights")
 OUTER_SITES = ("embed", "final_norm", "logits")   # before layer 0 and after the last
 _ATTR = "_ds41_capture"
 ROLE_NAMES = {"attn": ("self_attn", "attn", "attention"), "mlp": ("mlp", "ffn", "feed_forward", "moe")}
@@ -137,11 +138,24 @@ def _install_stream_sites(layer, i: int, sites, keep, handles: list, parent) -> 
         handles.append(post.register_forward_hook(after_post))
         found["attn_stream"] = "mhc_post (first call)"
     ffn = getattr(layer, "ffn", None)
-    router = _router_of(ffn) if "router" in sites and ffn is not None else None
+    want_routing = {"router", "router_weights"} & set(sites)
+    router = _router_of(ffn) if want_routing and ffn is not None else None
     if router is not None:
-        handles.append(_RoutingTap(router, lambda ids, k=f"L{i}.router": keep(k, ids)))
-        found["router"] = f"{type(router).__name__}._compute_routing"
+        def on_routing(weights, ids, n_experts, kr=f"L{i}.router", kw=f"L{i}.router_weights"):
+            if "router" in sites:
+                keep(kr, ids)
+            if "router_weights" in sites:
+                keep(kw, dense_routing(weights, ids, n_experts))
+        handles.append(_RoutingTap(router, on_routing))
+        for site in sorted(want_routing):
+            found[site] = f"{type(router).__name__}._compute_routing"
     attn = getattr(layer, "attn", None)
+    comp = getattr(attn, "compressor", None)
+    if "compressor" in sites and getattr(comp, "k_cache_prefix", None) and \
+            getattr(comp, "head_dim", None) == FP8_DS_MLA["dim"]:
+        handles.append(comp.register_forward_hook(
+            lambda m, a, out, k=f"L{i}.compressor": keep(k, functools.partial(compressed_entries, m, a[1]))))
+        found["compressor"] = f"{type(comp).__name__}: the compressed KV entries it wrote (fp8_ds_mla, decoded)"
     buf = getattr(parent, "topk_indices_buffer", None)
     if "indexer" in sites and buf is not None and getattr(attn, "indexer", None) is not None:
         handles.append(attn.register_forward_hook(
@@ -163,22 +177,84 @@ def _router_of(ffn):
 
 
 class _RoutingTap:
-    """Wraps one router's ``_compute_routing`` (an instance attribute over the method) so that the experts it
-    chose, [n, top_k] ids, reach ``on_ids``; ``remove()`` puts the method back. A CPU kernel that routes inside
-    itself never calls it: then the site is simply not captured."""
+    """Wraps one router's ``_compute_routing`` (an instance attribute over the method) so that what it returns,
+    the routing weights and the experts it chose ([n, top_k] each), reach ``on_routing(weights, ids,
+    n_experts)``; ``remove()`` puts the method back. A CPU kernel that routes inside itself never calls it: then
+    the sites are simply not captured."""
 
-    def __init__(self, router, on_ids):
+    def __init__(self, router, on_routing):
         self.router, self.orig = router, router._compute_routing
+        n_experts = int(getattr(router, "global_num_experts", 0) or 0)
 
         def tapped(*args, **kwargs):
             weights, ids = self.orig(*args, **kwargs)
-            on_ids(ids)
+            on_routing(weights, ids, n_experts or int(ids.max()) + 1)
             return weights, ids
         router._compute_routing = tapped
 
     def remove(self) -> None:
         if self.router.__dict__.get("_compute_routing") is not None:
             del self.router._compute_routing
+
+
+def dense_routing(weights, ids, n_experts: int):
+    """[n, top_k] weights and expert ids -> [n, n_experts] fp32, each chosen expert's weight in its column and 0
+    elsewhere: the router's output as one vector per position, so that a fault that keeps the chosen set and
+    moves the weights (a gate row, a changed score function) has a distance of its own."""
+    import torch
+
+    ids = ids.to(torch.int64)
+    out = torch.zeros(ids.shape[0], max(int(n_experts), int(ids.max()) + 1 if ids.numel() else 0),
+                      dtype=torch.float32, device=weights.device)
+    return out.scatter_(1, ids, weights.to(torch.float32))
+
+
+# DeepSeek-V4's compressed KV cache rows (vLLM's fp8_ds_mla layout, the attention compressor's, head_dim 512): per
+# token 448 fp8 e4m3 NoPE values and 64 bf16 RoPE values (576 bytes); a page holds its tokens' 576-byte rows
+# first, then their 8-byte UE8M0 scales (7 used: one per 64 NoPE values) — the layout vLLM's own reader
+# (deepseek_v4/common/ops/cache_utils.py, dequantize_and_gather_k_cache) decodes.
+FP8_DS_MLA = {"dim": 512, "fp8": 448, "rope_bytes": 128, "row": 576, "scales": 8, "block": 64}
+
+
+def decode_fp8_ds_mla(page, pos: int, rows_per_page: int):
+    """Row ``pos`` of a flattened fp8_ds_mla page (uint8) of ``rows_per_page`` rows -> [512] fp32."""
+    import torch
+
+    f = FP8_DS_MLA
+    data = page[pos * f["row"]:(pos + 1) * f["row"]]
+    scale_at = rows_per_page * f["row"] + pos * f["scales"]
+    exps = page[scale_at:scale_at + f["fp8"] // f["block"]].to(torch.float32) - 127.0
+    nope = data[:f["fp8"]].contiguous().view(torch.float8_e4m3fn).to(torch.float32).view(-1, f["block"])
+    nope = nope * torch.exp2(exps)[:, None]
+    rope = data[f["fp8"]:].contiguous().view(torch.bfloat16).to(torch.float32)
+    return torch.cat([nope.reshape(-1), rope])
+
+
+def compressed_entries(compressor, positions):
+    """After a DeepSeek-V4 attention compressor's forward: per token of the call, the compressed KV entry it
+    completed and wrote to the cache ([n, 512] fp32, decoded), or zeros where the token completes no entry (an
+    entry closes every ``compress_ratio`` tokens: at positions ratio-1, 2·ratio-1, …). The rows come from the
+    cache itself (vLLM's compressed slot mapping, one slot per token, -1 for none), so they are what the
+    attention will read."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    n = int(positions.shape[0])
+    out = torch.zeros(n, FP8_DS_MLA["dim"], dtype=torch.float32)
+    md = get_forward_context().attn_metadata
+    if not isinstance(md, dict):        # a profiling run: nothing was written
+        return out
+    slots = md[compressor.k_cache_prefix].slot_mapping[:n].to("cpu")
+    cache = compressor._static_forward_context[compressor.k_cache_prefix].kv_cache
+    if cache.dtype != torch.uint8:
+        raise RuntimeError(f"compressor site: KV cache dtype {cache.dtype}, only the fp8_ds_mla layout is read")
+    rows_per_page = int(cache.shape[1])
+    pages = cache.view(cache.shape[0], -1)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            out[t] = decode_fp8_ds_mla(pages[slot // rows_per_page].to("cpu"), slot % rows_per_page,
+                                       rows_per_page)
+    return out
 
 
 def _tp_writer() -> bool:
@@ -229,6 +305,8 @@ def install(model, sites=SITES, layers=None) -> dict:
         folder = state["spill"]
         if folder is None or not state["writer"]:
             return
+        if callable(t):                 # a capture that costs something is made only when it is written
+            t = t()
         call = state["calls"].get(key, 0)
         state["calls"][key] = call + 1
         _spill_write(os.path.join(folder, spill_name(key, call)),
@@ -274,6 +352,9 @@ def install(model, sites=SITES, layers=None) -> dict:
                 raise RuntimeError(f"{type(layer).__name__}: none of {ROLE_NAMES[role]} for site {role!r}")
         names.update(_install_stream_sites(layer, i, sites, keep, handles, parent_of(model, name)))
     setattr(model, _ATTR, state)
+    ratios = {i: int(getattr(getattr(mods[i], "attn", None), "compress_ratio", 0) or 0) for i in hooked}
+    if any(r > 1 for r in ratios.values()):
+        names["compress_ratios"] = {str(i): r for i, r in ratios.items()}   # per layer: 1 = no compressor
     return {"layers_module": name, "n_layers": len(mods), "layer_class": type(mods[0]).__name__,
             "site_modules": names, "captured_layers": sorted(wanted), "hooked_layers": hooked,
             "writer": state["writer"], "pid": os.getpid()}
@@ -374,7 +455,8 @@ def _site_order(key: str) -> tuple[int, int]:
     if key in OUTER_SITES:
         return {"embed": (-1, 0), "final_norm": (1 << 30, 0), "logits": (1 << 30, 1)}[key]
     layer, site = key[1:].split(".", 1)
-    order = ("attn_in", "indexer", "attn", "attn_stream", "ffn_in", "router", "mlp", "resid")
+    order = ("attn_in", "compressor", "indexer", "attn", "attn_stream", "ffn_in", "router", "router_weights", "mlp",
+             "resid")
     return int(layer), order.index(site) if site in order else len(order)
 
 

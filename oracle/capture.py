@@ -15,8 +15,10 @@ model is causal; the decode position is row n).
 ``capture_dsv41(ckpt_dir, ids, precision)`` does the same with the DeepSeek oracle's in-memory model
 (oracle/dsv41/model.py), block by block: ``L<i>.attn`` the attention output, ``L<i>.mlp`` the MoE output,
 ``L<i>.resid`` the hyper-connection streams leaving the block [n, hc * d], ``embed`` and ``logits`` (the head
-computes its final norm inline, so there is no ``final_norm`` site on this oracle); ``precision`` ``fp32`` or
-``reference-bf16``.
+computes its final norm inline, so there is no ``final_norm`` site on this oracle), and on DeepSeek-V4's
+compressed layers ``L<i>.compressor``: the compressed KV entries the attention's compressor wrote (post-RoPE,
+post-QDQ, [n, head_dim], the row of the token that completes each group of ``ratio`` tokens, zeros elsewhere);
+``precision`` ``fp32`` or ``reference-bf16``.
 
 Memory: with ``spill=DIR`` neither keeps a capture: each hook writes its site, as it fires, to
 ``DIR/<key>.safetensors`` (tensor ``rows``, written to ``.tmp`` and renamed) and the call returns
@@ -207,6 +209,31 @@ class _Tap:
         return getattr(self._inner, name)
 
 
+class _CompressorTap:
+    """Stands in for a DeepSeek-V4 attention compressor (oracle/dsv41/compressor_v4.py's ``CompressorV4``: its
+    call returns the compressed KV cache rows [b, g, d] the groups it completed give, post-RoPE and post-QDQ, or
+    None) and keeps them as one row per token of the call: the token that completes group j (position
+    (j + 1)·ratio − 1) holds the group's row, every other token zeros — the layout the engine's runner captures
+    from vLLM's cache (engine/localize_runner.py, ``compressed_entries``)."""
+
+    def __init__(self, inner, store, key: str):
+        self._inner, self._store, self._key = inner, store, key
+
+    def __call__(self, x, start_pos: int, *args, **kwargs):
+        new = self._inner(x, start_pos, *args, **kwargs)
+        r, s = int(self._inner.ratio), int(x.shape[1])
+        rows = torch.zeros(s, int(self._inner.d), dtype=torch.float32)
+        if new is not None:
+            first = start_pos // r        # the first group this call completes: the one open when it began
+            for j in range(new.shape[1]):
+                rows[(first + j + 1) * r - 1 - start_pos] = new[0, j].to(torch.float32)
+        self._store[self._key] = rows
+        return new
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 def _keep_rows(store, key: str, y: torch.Tensor) -> torch.Tensor:
     store[key] = y[0].reshape(y.shape[1], -1).to(torch.float32).clone()
     return y
@@ -242,6 +269,9 @@ def capture_dsv41(ckpt_dir: str | Path, ids: Sequence[int], precision: str = "fp
         model.head.logits = lambda *a, **k: _keep_rows(out, "logits", head_logits(*a, **k))
         for L in sorted(wanted):
             block = model.blocks[L]
+            comp = getattr(block.attn, "compressor", None)
+            if comp is not None and callable(getattr(comp, "finish", None)):   # V4: its rows are the cache's
+                block.attn.compressor = _CompressorTap(comp, out, f"L{L}.compressor")
             block.attn = _Tap(block.attn, out, f"L{L}.attn", lambda y: y)
             block.ffn = _Tap(block.ffn, out, f"L{L}.mlp", lambda y: y)
             model.blocks[L] = _Tap(block, out, f"L{L}.resid", lambda hp: hp[0])

@@ -232,3 +232,69 @@ def test_the_position_threshold_is_read_strictly_from_the_environment(plugin):
     assert plugin.from_pos_from_env({"DS41_PERTURB_FROM_POS": "2048"}) == 2048
     with pytest.raises(plugin.PerturbError, match="DS41_PERTURB_FROM_POS='2k'"):
         plugin.from_pos_from_env({"DS41_PERTURB_FROM_POS": "2k"})
+
+
+def _fp8_ds_mla_page(rows: list[torch.Tensor], rows_per_page: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An fp8_ds_mla page built the way the layout is described (independently of the runner's decoder): per row,
+    448 NoPE values as fp8 e4m3 with one power-of-two scale per 64 (stored as its exponent + 127), then 64 bf16
+    RoPE values; the rows' 576 bytes first, their 8 scale bytes after them. -> (page, the exact values stored)."""
+    data = torch.zeros(rows_per_page, 576, dtype=torch.uint8)
+    scales = torch.zeros(rows_per_page, 8, dtype=torch.uint8)
+    exact = []
+    for p, row in enumerate(rows):
+        nope, rope = row[:448].view(7, 64), row[448:]
+        exps = torch.ceil(torch.log2(nope.abs().amax(dim=1) / 448.0)).clamp(min=-127)
+        q = (nope / torch.exp2(exps)[:, None]).to(torch.float8_e4m3fn)
+        data[p, :448] = q.reshape(-1).view(torch.uint8)
+        data[p, 448:] = rope.to(torch.bfloat16).view(torch.uint8)
+        scales[p, :7] = (exps + 127).to(torch.uint8)
+        exact.append(torch.cat([(q.float() * torch.exp2(exps)[:, None]).reshape(-1),
+                                rope.to(torch.bfloat16).float()]))
+    return torch.cat([data.reshape(-1), scales.reshape(-1)]), exact
+
+
+def test_the_compressor_rows_are_decoded_from_vllms_fp8_ds_mla_layout():
+    from engine import localize_runner as lr
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(512, generator=g) * s for s in (0.01, 1.0, 300.0)]
+    page, exact = _fp8_ds_mla_page(rows, rows_per_page=4)
+    for p, want in enumerate(exact):
+        got = lr.decode_fp8_ds_mla(page, p, 4)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert (got - rows[p]).norm() / rows[p].norm() < 0.05        # what was stored, up to fp8 rounding
+    assert torch.equal(lr.decode_fp8_ds_mla(page, 3, 4), torch.zeros(512))   # an empty row decodes to zeros
+
+
+def test_the_router_site_keeps_the_weights_beside_the_chosen_experts():
+    """``router_weights``: the routing as a dense [n, n_experts] vector, so that a fault that keeps the chosen set
+    and moves its weights is a distance at that site (the ``router`` site, compared as sets, is blind to it)."""
+    from core.localize import position_distances, set_distances
+    from engine import localize_runner as lr
+
+    ids = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    w = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    dense = lr.dense_routing(w, ids, 6)
+    assert dense.shape == (2, 6) and dense[0, 3] == 0.7 and dense[0, 1] == 0.3 and dense[1].sum() == 1.0
+    assert torch.count_nonzero(dense) == 4
+
+    class Router:
+        global_num_experts = 6
+
+        def __init__(self, weights):
+            self.weights = weights
+
+        def _compute_routing(self, hidden, logits, indices_type):
+            return self.weights, ids
+
+    seen = []
+    base, moved = Router(w), Router(torch.tensor([[0.6, 0.4], [0.6, 0.4]]))
+    for r in (base, moved):
+        tap = lr._RoutingTap(r, lambda weights, chosen, n: seen.append((chosen, lr.dense_routing(weights, chosen, n))))
+        assert r._compute_routing(None, None, None)[1] is ids      # the router's own result passes through
+        tap.remove()
+        assert "_compute_routing" not in vars(r)
+    (ids_a, dense_a), (ids_b, dense_b) = seen
+    assert set_distances(ids_b.numpy(), ids_a.numpy()).tolist() == [0.0, 0.0]      # the same sets
+    d = position_distances(dense_b.numpy(), dense_a.numpy())[0]
+    assert d[0] > 0.1 and d[1] == 0.0                                              # the weights moved at row 0

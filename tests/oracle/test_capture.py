@@ -101,3 +101,21 @@ def test_layers_outside_the_model_are_an_error_naming_the_range(smol):
 
     with pytest.raises(CaptureError, match=r"layers \[999\]: the model has 30 decoder layers \(0\.\.29\)"):
         capture_hf(smol, [1, 2, 3], "fp32", layers=[0, 999], oracle=load_hf(smol, "fp32"))
+
+
+def test_the_deepseek_v4_compressor_site_is_one_row_per_token_that_completes_a_group():
+    """``L<i>.compressor`` on the tiny V4 (layer 1: ratio 4, layer 2: ratio 128): the compressed KV entry sits at
+    the token that completes its group (positions 3, 7 of 11 tokens), zeros elsewhere; no ratio-128 entry before
+    128 tokens; and the row at a position depends only on the tokens up to it (a shorter prompt gives the same
+    rows), so it is the entry that token completed, not a row of the whole prompt."""
+    from engine.dsv4_model import dsv4_tiny_dir
+    from oracle.capture import capture_dsv41
+
+    ids = list(range(100, 111))
+    acts, _ = capture_dsv41(dsv4_tiny_dir(), ids, "fp32", layers=[1, 2])
+    c = acts["L1.compressor"]
+    assert c.shape == (11, 512)
+    assert [t for t in range(11) if c[t].abs().sum() > 0] == [3, 7]
+    assert float(acts["L2.compressor"].abs().sum()) == 0.0
+    short, _ = capture_dsv41(dsv4_tiny_dir(), ids[:8], "fp32", layers=[1])
+    torch.testing.assert_close(short["L1.compressor"], c[:8], rtol=1e-5, atol=1e-6)
