@@ -1,9 +1,10 @@
 """Config schemas as models: the base every TOML file's schema derives from, and the one way a file becomes one.
 
 Each TOML file the project reads (profiles, bands, gate sizes, the kernel and flag registries, nightly configs) is a
-pydantic model deriving from `StrictModel`: an unknown key is refused (a typo is never silently ignored), the result
-is frozen, and scalars are strict (TOML has real types: `"1"` is not `1`, `1` is not `true`). A TOML array is kept
-as a tuple (`Seq[str]`), so a parsed config can be hashed and shared.
+pydantic model deriving from `StrictModel` (or a pydantic dataclass configured with `STRICT`, where code relies on
+`dataclasses.replace`): an unknown key is refused (a typo is never silently ignored), the result is frozen, and
+scalars are strict (TOML has real types: `"1"` is not `1`, `1` is not `true`). A TOML array is kept as a tuple
+(`Seq[str]`), so a parsed config can be hashed and shared.
 
 `read_model` reads the file through core/tomlfile.read_toml (the one TOML reader) and `parse_model` validates a
 table already parsed; both turn pydantic's `ValidationError` into ONE line of the caller's `UserError` subclass,
@@ -12,11 +13,14 @@ naming the file and the dotted key path of the first problem::
     engine/profiles/x.toml: gate.oracle: unknown oracle 'foo' (known: deepseek, transformers)
 
 A validator that raises `ValueError("...")` gives the text after the key path as is, so cross-field rules stay in
-the model (`model_validator`) and still read as the house's one-line errors.
+the model (`model_validator`) and still read as the house's one-line errors. A schema whose files have established
+messages words its own problems (`explain`, a classmethod: the text after the file's name).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -29,8 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.errors import UserError
 from core.tomlfile import read_toml
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M")
 T = TypeVar("T")
+
+# the config of a schema written as a pydantic dataclass (``@pydantic.dataclasses.dataclass(frozen=True,
+# config=STRICT)``): the same rules as StrictModel
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 # a TOML array: any array in, a tuple out (strict mode would refuse the list tomllib gives)
 Seq = Annotated[tuple[T, ...], Field(strict=False)]
@@ -95,7 +103,16 @@ def key_path(loc: Sequence[int | str]) -> str:
     return out
 
 
-def _model_at(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
+def _fields(cls: Any) -> Mapping[str, Any] | None:
+    """The declared fields of a schema class (a BaseModel or a pydantic dataclass); None for anything else."""
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return cls.model_fields
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+        return getattr(cls, "__pydantic_fields__", None)
+    return None
+
+
+def _model_at(model: Any, loc: Sequence[int | str]) -> Any:
     """The model class whose table sits at ``loc`` inside ``model``, through nested models, tables of models
     (``dict[str, M]``) and arrays of them (None where the path leaves models)."""
     current: Any = model
@@ -103,8 +120,9 @@ def _model_at(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseMode
         while typing.get_origin(current) is Annotated:
             current = typing.get_args(current)[0]
         origin, args = typing.get_origin(current), typing.get_args(current)
-        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
-            info = current.model_fields.get(part)
+        fields = _fields(current)
+        if fields is not None and isinstance(part, str):
+            info = fields.get(part)
             current = info.annotation if info is not None else None
         elif origin in (dict, Mapping) and len(args) == 2:
             current = args[1]
@@ -114,7 +132,7 @@ def _model_at(model: type[BaseModel], loc: Sequence[int | str]) -> type[BaseMode
             return None
     while typing.get_origin(current) is Annotated:
         current = typing.get_args(current)[0]
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+    return current if _fields(current) is not None else None
 
 
 def value_at(data: Any, loc: Sequence[int | str]) -> Any:
@@ -136,7 +154,7 @@ def _default_text(kind: str, msg: str, value: Any) -> str:
     return msg
 
 
-def problems_of(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Problem]:
+def problems_of(model: Any, exc: pydantic.ValidationError) -> list[Problem]:
     """A ValidationError's problems in order, the unknown keys of one table gathered into one problem."""
     out: list[Problem] = []
     unknown_at: dict[tuple[int | str, ...], list[str]] = {}
@@ -156,7 +174,7 @@ def problems_of(model: type[BaseModel], exc: pydantic.ValidationError) -> list[P
     for problem in out:
         if problem.kind == "extra_forbidden":
             owner = _model_at(model, problem.loc)
-            known = tuple(sorted(owner.model_fields)) if owner is not None else ()
+            known = tuple(sorted(_fields(owner) or ()))
             keys = unknown_at[problem.loc]
             text = f"unknown key(s) {keys}" + (f"; known: {list(known)}" if known else "")
             problem = Problem(problem.loc, problem.kind, None, text, tuple(keys), known)
@@ -164,24 +182,32 @@ def problems_of(model: type[BaseModel], exc: pydantic.ValidationError) -> list[P
     return done
 
 
-def describe(model: type[BaseModel], problem: Problem, data: Any) -> str:
-    """One problem as one line (without the file's name): the schema's own wording, else ``key: text``."""
-    own = model.explain(problem, data) if issubclass(model, StrictModel) else None
+def describe(model: Any, problem: Problem, data: Any) -> str:
+    """One problem as the line after the file's name: the schema's own wording (``explain``), else
+    ``: key: text``. The schema's text is joined with ``: `` unless it starts with a space (`` [gate]: ...``)."""
+    explain = getattr(model, "explain", None)
+    own = explain(problem, data) if explain is not None else None
     if own is None:
         path = key_path(problem.loc)
         own = f"{path}: {problem.text}" if path else problem.text
-    return own.split("\n")[0]
+    own = own.split("\n")[0]
+    return own if own.startswith(" ") else f": {own}"
+
+
+@functools.cache
+def _adapter(model: Any) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(model)
 
 
 def parse_model(model: type[M], data: Any, where: str, error: type[UserError]) -> M:
     """Validate ``data`` (a parsed TOML table) as ``model``; a bad table raises ``error`` as one line,
     ``<where>: <key path>: <what is wrong>`` (the first problem; how many more follow, if any)."""
     try:
-        return model.model_validate(data)
+        return _adapter(model).validate_python(data)
     except pydantic.ValidationError as exc:
         problems = problems_of(model, exc)
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise error(f"{where}: {describe(model, problems[0], data)}{more}") from None
+        raise error(f"{where}{describe(model, problems[0], data)}{more}") from None
 
 
 def read_model(model: type[M], path: str | os.PathLike, what: str, error: type[UserError]) -> M:

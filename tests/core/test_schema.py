@@ -136,3 +136,29 @@ def test_a_schema_words_its_own_problems_and_falls_back_to_the_default():
     with pytest.raises(ConfigError) as info:
         parse_model(WithFlags, {"flags": {"F": {"args": [1]}}}, "p.toml", ConfigError)
     assert str(info.value) == "p.toml: flags.F.args[0]: must be a string, got 1"
+
+
+def test_a_pydantic_dataclass_schema_is_read_the_same_way():
+    import dataclasses
+
+    from pydantic.dataclasses import dataclass
+
+    from core.schema import STRICT
+
+    @dataclass(frozen=True, config=STRICT)
+    class Target:
+        panel: str = "default"
+        size: int = 1
+
+        @classmethod
+        def explain(cls, problem, data):
+            return f" [target]: {problem.text}" if problem.kind != "extra_forbidden" else None
+
+    assert parse_model(Target, {"panel": "x"}, "t.toml", ConfigError) == Target(panel="x")
+    assert dataclasses.replace(Target(), size=2).size == 2
+    with pytest.raises(ConfigError) as info:
+        parse_model(Target, {"pannel": "x"}, "t.toml", ConfigError)
+    assert str(info.value) == "t.toml: unknown key(s) ['pannel']; known: ['panel', 'size']"
+    with pytest.raises(ConfigError) as info:
+        parse_model(Target, {"size": "2"}, "t.toml", ConfigError)
+    assert str(info.value) == "t.toml [target]: must be an integer, got '2'"
