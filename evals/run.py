@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from core.console import counting
 from core.errors import UserError
 from core.records import Provenance
 from core.redact import redact_data
@@ -177,7 +178,8 @@ def generate(client, dataset: Dataset, tok, settings: Settings, store: Generatio
 
     if echo and len(todo) < len(problems):
         echo(f"{dataset.suite}: {len(problems) - len(todo)} of {len(problems)} already generated in {store.path}")
-    with _bar(progress, f"{dataset.suite} · generate", len(problems), len(problems) - len(todo)) as advance:
+    with counting(f"{dataset.suite} · generate", len(problems), enabled=progress,
+                  done=len(problems) - len(todo)) as advance:
         with ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="ds41-eval") as pool:
             futures = [pool.submit(one, p) for p in todo]
             try:
@@ -219,7 +221,7 @@ def score(dataset: Dataset, generations: dict[str, dict[str, Any]], *, tok=None,
         from evals.ifeval import checkers
 
         checkers()      # import once, before the worker threads
-    with _bar(progress, f"{dataset.suite} · score", len(ids), 0) as advance:
+    with counting(f"{dataset.suite} · score", len(ids), enabled=progress) as advance:
         with ThreadPoolExecutor(max_workers=workers if dataset.suite in CODE_SUITES else 1) as pool:
             for pid, res in zip(ids, pool.map(one, ids)):
                 results[pid] = res
@@ -259,27 +261,6 @@ def evaluate(client, dataset: Dataset, tok, settings: Settings, source, out_dir:
 def _fname(suite: str) -> str:
     return suite.replace("+", "plus")
 
-
-class _bar:
-    def __init__(self, enabled: bool, label: str, total: int, done: int):
-        self.enabled, self.label, self.total, self.done = enabled, label, total, done
-        self._p = None
-
-    def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-
-        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TimeRemainingColumn(), transient=False)
-        self._p.__enter__()
-        task = self._p.add_task(self.label, total=self.total, completed=self.done)
-        return lambda: self._p.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self._p is not None:
-            self._p.__exit__(*exc)
 
 
 def run_suites(endpoint, suites: list[str], out: Path, settings, tokenizer: str | None = None,

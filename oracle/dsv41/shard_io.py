@@ -6,7 +6,6 @@ decides which tensors a configuration needs and decodes them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from core.hashing import sha256_file  # noqa: F401  (checkpoint.py imports it from here)
 from . import formats as F
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -81,10 +81,6 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict, list[str]]:
     if 8 + n + data_end > size:
         problems.append(f"{path.name}: truncated file ({size} bytes, tensors need {8 + n + data_end})")
     return infos, meta, problems
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class ShardFolder:

@@ -27,6 +27,7 @@ import numpy as np
 
 from core.atomic import fsync_dir
 from core.errors import UserError
+from core.hashing import sha256_file
 
 Hook = Callable[[str], None]
 RESTART_HINT = ("; the saved state of the interrupted run is damaged: run the same command with --restart to "
@@ -40,14 +41,6 @@ class SpillError(UserError, RuntimeError):
 
 def _bytes_view(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class StageWriter:
@@ -123,7 +116,7 @@ class StageReader:
         path = Path(path)
         if not path.is_file():
             raise SpillError(f"{path}: the manifest names this activation file but it does not exist{RESTART_HINT}")
-        got = file_sha256(path)
+        got = sha256_file(path)
         if got != sha256:
             raise SpillError(f"{path}: SHA-256 {got[:16]}... does not match the manifest's {sha256[:16]}..."
                              f"{RESTART_HINT}")

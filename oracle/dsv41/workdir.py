@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -19,6 +18,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from filelock import FileLock, Timeout
 
 from core.atomic import atomic_path
 
@@ -122,15 +123,15 @@ class WorkDir:
     def locked(self) -> Iterator["WorkDir"]:
         """Create the dir and hold its lock: two runs in one work dir would overwrite each other's stages."""
         self.path.mkdir(parents=True, exist_ok=True)
-        lock = open(self.path / "lock", "w")
+        lock = FileLock(self.path / "lock", timeout=0, thread_local=False)
         try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RunnerError(f"{self.path}: another run holds this work dir") from None
+            lock.acquire()
+        except Timeout:
+            raise RunnerError(f"{self.path}: another run holds this work dir") from None
+        try:
             yield self
         finally:
-            lock.close()
+            lock.release()
 
     def resume(self, restart: bool) -> Manifest | None:
         """The manifest of the last committed stage (None: start from stage 0), after removing every file no

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.hashing import sha256_file
 from engine import models
 from engine.models import (
     CANARY_IDS,
@@ -35,7 +36,7 @@ def smol() -> SmolLM2Paths:
 def test_paths_layout(smol: SmolLM2Paths) -> None:
     assert smol == expected_paths()
     assert smol.gguf_q4_1.stat().st_size == 98_362_432
-    assert models.sha256_file(smol.gguf_q4_1) == Q4_1_SHA256
+    assert sha256_file(smol.gguf_q4_1) == Q4_1_SHA256
     assert smol.tokenizer_json == smol.hf_dir / "tokenizer.json"
     for name in models.HF_REQUIRED_FILES:
         assert (smol.hf_dir / name).is_file(), name
@@ -155,3 +156,29 @@ def test_cli_prints_paths(smol: SmolLM2Paths) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == smol.as_dict()
     assert "ready" in proc.stderr
+
+
+def test_a_builder_waits_for_the_lock_another_holds_and_says_so_once(tmp_path: Path) -> None:
+    import threading
+
+    from filelock import FileLock
+
+    lock_path = tmp_path / ".lock"
+    said: list[str] = []
+    entered = threading.Event()
+
+    def builder() -> None:
+        with models._file_lock(lock_path, said.append):
+            entered.set()
+
+    other = FileLock(lock_path)
+    other.acquire()
+    worker = threading.Thread(target=builder)
+    worker.start()
+    try:
+        assert not entered.wait(0.5)             # held elsewhere: the builder waits
+        assert said == [f"another process is building the model; waiting for lock {lock_path}"]
+    finally:
+        other.release()
+    worker.join(10)
+    assert entered.is_set() and len(said) == 1   # released: it builds, without a second message

@@ -85,3 +85,28 @@ def test_another_runs_manifest_is_refused_and_restart_starts_over(tmp_path):
         other.resume(restart=False)
     assert other.resume(restart=True) is None
     assert list(wd.path.iterdir()) == []  # the old manifest and every activation file are gone
+
+
+def test_a_work_dir_held_by_another_run_is_refused_and_free_again_after(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "w"
+    holder = ("import sys; from filelock import FileLock; lock = FileLock(sys.argv[1], timeout=0); lock.acquire(); "
+              "print('held', flush=True); sys.stdin.read()")
+    path.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", holder, str(path / "lock")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(RunnerError, match=r"w: another run holds this work dir"):
+            with WorkDir(path, IDENTITY).locked():
+                pass
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
+    with WorkDir(path, IDENTITY).locked() as wd:      # the other run has ended: its lock went with it
+        with pytest.raises(RunnerError, match="another run holds this work dir"):
+            with WorkDir(path, IDENTITY).locked():     # a second run in this process is refused too
+                pass
+        assert wd.path == path
