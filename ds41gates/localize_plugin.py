@@ -1,18 +1,19 @@
 """`pytest -m gate --localize-on-fail`: when the KL panel gate fails, localize its worst prompt (the sequence with
 the largest mean KL_part) with the divergence localizer (ds41gates/localize.py) and put the verdict, the per-layer
-table and the plot into the session's report (results folder: ``localize/localize.json``, ``localize.png``,
+table and the plot into the session's report (results folder, named by core.results_folder.ResultsFolder:
+``localize/`` or, for a flag, ``localize-flag-<F>/``, each with ``localize.json``, ``localize.png``,
 ``localize.md``; results.json gate entry ``localize``; a report section and figure).
 
 The localizer runs the profile's vLLM in process, so it needs ``--engine-profile`` (the launched engine, or the
-profile of the one ``--engine-url`` points at) with the session's ``--engine-flag`` flags; ``DS41_PERTURB_*``
-variables of the session's environment (which the launched server inherits) are handed to it explicitly, so a
-planted fault is localized in the engine that had it. Registered by the root conftest.py beside
-ds41gates.pytest_plugin.
+profile of the one ``--engine-url`` points at) with the session's ``--engine-flag`` flags, and nothing else: no
+engine inherits the session's environment (engine/environment.py), and a session whose environment carries the
+fault injector's ``DS41_PERTURB_*`` refuses to start (ds41gates/pytest_plugin.py), so there is no planted fault
+to hand on; faults are planted through ``ds41gate localize --engine-env`` only. Registered by the root
+conftest.py beside ds41gates.pytest_plugin.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -63,7 +64,6 @@ def localize_failed_gate(config: pytest.Config, run, runner=None) -> GateEntry |
     entry that went into results.json. Its ``passed`` is None: the localizer explains a verdict, it is not one."""
     from ds41gates.localize import run_localize, worst_prompt, write_outputs
     from engine.endpoint import DEFAULT_PROFILE
-    from engine.localize import PERTURB_ENV
     from panels import encoded_from_record
     from reports.localize import plot_b64, section
 
@@ -79,14 +79,13 @@ def localize_failed_gate(config: pytest.Config, run, runner=None) -> GateEntry |
     profile = profile or DEFAULT_PROFILE
     seq_id, kl = worst_prompt(run.reference, engine_rec)
     seq = next(s for s in encoded_from_record(run.reference).sequences if s.seq_id == seq_id)
-    env = {k: os.environ[k] for k in PERTURB_ENV if k in os.environ}
     source = {"kind": "panel_item", "panel": f"{run.reference.provenance.panel_name}@"
                                              f"{run.reference.provenance.panel_version}",
               "seq_id": seq_id, "domain": seq.domain, "kl_part_mean": kl, "why": "worst prompt of the KL panel gate"}
-    out = run.out_dir / "localize"
+    out = run.folder.localize_dir
     try:
         rec = runner(profile, list(seq.token_ids), source, out / "work",
-                     flags=tuple(dict.fromkeys(config.getoption("--engine-flag"))), engine_env=env)["run"]
+                     flags=tuple(dict.fromkeys(config.getoption("--engine-flag"))))["run"]
     except Exception as exc:  # noqa: BLE001 - the gate already failed; the report says why there is no localization
         run.add_section(TITLE, [], f"localizer failed on {seq_id}: {type(exc).__name__}: {str(exc)[:600]}")
         run.add(GateEntry("localize", None, failures=[f"{type(exc).__name__}: {str(exc)[:600]}"],
@@ -130,7 +129,7 @@ def localize_failed_flag(config: pytest.Config, run, flag: str, off_record, on_r
                                              f"{on_record.provenance.panel_version}",
               "seq_id": seq_id, "domain": seq.domain, "kl_part_mean_on_vs_off": kl,
               "why": f"worst prompt of flag {flag} against the flag-off engine"}
-    out = run.out_dir / f"localize-flag-{flag}"
+    out = run.folder.localize_flag_dir(flag)
     try:
         rec = runner(profile, list(seq.token_ids), source, out / "work", flags=[flag])["flag"]
     except Exception as exc:  # noqa: BLE001 - the gate already failed; the report says why there is no localization

@@ -1,6 +1,7 @@
 """--localize-on-fail's wiring (ds41gates/localize_plugin.py) without an engine: the worst prompt of the KL panel
-gate is what gets localized, with the session's profile, flags and planted-fault variables, and the verdict, table
-and plot land in results.json and the report."""
+gate is what gets localized, with the session's profile and flags (and no environment: a session carrying the
+fault injector's variables is refused at configure), and the verdict, table and plot land in results.json and the
+report."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from core.localize import LocalizeRecord, decide, localize_sites
 from core.records import Record
 from core.results import GateResults
+from core.results_folder import ResultsFolder
 from ds41gates.localize_plugin import TITLE, localize_failed_gate
 from ds41gates.pytest_plugin import GateRun
 from tests.core.recordkit import provenance, random_logprobs, sequence_from_full
@@ -49,25 +51,23 @@ class _Config:
         return self.opts[name]
 
 
-def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path, monkeypatch):
+def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path):
     from ds41gates.pipeline import write_report
 
     ref, eng = _records()
-    run = GateRun(out_dir=tmp_path)
+    run = GateRun(folder=ResultsFolder.of(tmp_path))
     run.reference, run.engines = ref, [("vllm-cpu-fp32", eng)]
     seen = {}
 
-    def runner(profile, ids, source, work, flags=(), engine_env=None):
-        seen.update(profile=profile, ids=ids, source=source, flags=flags, env=engine_env)
+    def runner(profile, ids, source, work, **kw):
+        seen.update(profile=profile, ids=ids, source=source, **kw)
         return {"run": _fake_localize_record(len(ids))}
 
-    monkeypatch.setenv("DS41_PERTURB_LAYER", "1")
-    monkeypatch.setenv("DS41_PERTURB_MODULE", "mlp")
     entry = localize_failed_gate(_Config(**{"--engine-flag": ["no_prefix_cache", "no_prefix_cache"]}), run, runner)
     assert seen["profile"] == "vllm-cpu-fp32" and seen["source"]["seq_id"] == "s1" == entry.evidence["seq_id"]
     assert seen["ids"] == [int(t) for t in ref.token_ids[ref.seq_offsets[1]:ref.seq_offsets[2]]]
-    assert seen["flags"] == ("no_prefix_cache",) and seen["env"] == {"DS41_PERTURB_LAYER": "1",
-                                                                     "DS41_PERTURB_MODULE": "mlp"}
+    # the profile and its flags, nothing from the session's environment
+    assert seen["flags"] == ("no_prefix_cache",) and "engine_env" not in seen
     v = GateResults.load(tmp_path).gate("localize").evidence["verdict"]
     assert (v["first_divergent_layer"], v["first_divergent_module"]) == (1, "mlp")
     assert (tmp_path / "localize" / "localize.json").exists() and (tmp_path / "localize" / "localize.png").exists()
@@ -79,7 +79,7 @@ def test_the_worst_prompt_is_localized_into_results_and_report(tmp_path, monkeyp
 
 def test_without_a_profile_an_engine_url_is_not_localized_and_a_failure_is_reported(tmp_path):
     ref, eng = _records()
-    run = GateRun(out_dir=tmp_path)
+    run = GateRun(folder=ResultsFolder.of(tmp_path))
     run.reference, run.engines = ref, [("default", eng)]
     assert localize_failed_gate(_Config(**{"--engine-url": "http://h:1"}), run, lambda *a, **k: pytest.fail()) is None
     assert "not localized" in run.report_sections[TITLE]["note"]
@@ -98,7 +98,7 @@ def test_a_failed_flag_gate_is_localized_in_ab_mode_on_its_worst_prompt(tmp_path
     from ds41gates.localize_plugin import FLAG_TITLE, localize_failed_flag
 
     off, on = _records()
-    run = GateRun(out_dir=tmp_path)
+    run = GateRun(folder=ResultsFolder.of(tmp_path))
     run.reference, run.engines = off, [("vllm-cpu-fp32", on)]
     seen = {}
 
@@ -116,3 +116,24 @@ def test_a_failed_flag_gate_is_localized_in_ab_mode_on_its_worst_prompt(tmp_path
     assert "first divergent: L1.mlp" in run.report_sections[FLAG_TITLE.format(flag="kv_cache_2g")]["note"]
     assert localize_failed_flag(_Config(), run, "x", off, None, runner) is None   # no flag-on record: said so
     assert "not localized" in run.report_sections[FLAG_TITLE.format(flag="x")]["note"]
+
+
+def test_a_session_carrying_the_fault_injectors_variables_is_refused_before_anything_is_localized(tmp_path):
+    """The only way a planted fault could have reached --localize-on-fail was the session's own environment (the
+    launched server inherited it). That route is closed: the gate session refuses to start, naming the variable,
+    before any gate, engine or localizer runs (exit 4, pytest's usage error; no results folder written)."""
+    import os
+    import subprocess
+    import sys
+
+    from core.paths import repo_root
+
+    env = {**os.environ, "DS41_PERTURB_LAYER": "3", "DS41_PERTURB_MODULE": "mlp"}
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "gates/test_kl_panel.py", "-m", "gate",
+                           "--localize-on-fail", "--results", str(out), "-p", "no:cacheprovider", "-q"],
+                          cwd=str(repo_root()), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stdout + proc.stderr
+    assert "DS41_PERTURB_LAYER='3'" in err and "ds41gate localize" in err and "unset DS41_PERTURB_LAYER" in err
+    assert not out.exists()

@@ -95,6 +95,10 @@ def test_the_invocation_is_the_profiles_engine_arguments_without_the_http_front_
     assert args[args.index("--model") + 1] == "/models/smol" and "--max-num-batched-tokens" in args
     assert not {"--host", "--port", "--enable-prompt-tokens-details", "vllm.entrypoints.openai.api_server"} & set(args)
     assert inv.env["DS41_PERTURB_LAYER"] == "2" and "VIRTUAL_ENV" not in inv.env   # --engine-env wins
+    # a stray injector variable in the caller's environment never reaches the runner: only --engine-env plants one
+    plain = engine_invocation("vllm-cpu-fp32", base_env={"PATH": "/bin", "DS41_PERTURB_LAYER": "9",
+                                                         "DS41_PERTURB_MODULE": "mlp"})
+    assert not any(k.startswith("DS41_PERTURB_") for k in plain.env)
     assert inv.env["PYTHONPATH"].split(":")[0] == str(Path(launcher.REPO_ROOT))
     with pytest.raises(UserError, match="in process"):
         engine_invocation("llama-server-f32")
