@@ -37,8 +37,9 @@ M = TypeVar("M")
 T = TypeVar("T")
 
 # the config of a schema written as a pydantic dataclass (``@pydantic.dataclasses.dataclass(frozen=True,
-# config=STRICT)``): the same rules as StrictModel
-STRICT = ConfigDict(extra="forbid", strict=True)
+# config=STRICT)``): unknown keys refused; its scalars say strict themselves (pydantic's StrictStr, StrictInt, ...),
+# since a strict dataclass would refuse the very table it is read from
+STRICT = ConfigDict(extra="forbid")
 
 # a TOML array: any array in, a tuple out (strict mode would refuse the list tomllib gives)
 Seq = Annotated[tuple[T, ...], Field(strict=False)]
@@ -161,6 +162,8 @@ def problems_of(model: Any, exc: pydantic.ValidationError) -> list[Problem]:
     for detail in exc.errors(include_url=False):
         loc = tuple(detail.get("loc", ()))
         kind = str(detail.get("type", ""))
+        if kind == "unexpected_keyword_argument":   # a dataclass's word for an unknown key
+            kind = "extra_forbidden"
         if kind == "extra_forbidden":
             table = loc[:-1]
             if table not in unknown_at:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from pydantic import field_validator, model_validator
+from pydantic import StrictInt, StrictStr, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from core.errors import UserError
-from core.schema import Seq, StrictModel, key_path, parse_model, read_model
+from core.schema import STRICT, Seq, StrictModel, key_path, parse_model, read_model
 
 
 class ConfigError(UserError, ValueError):
@@ -138,22 +141,17 @@ def test_a_schema_words_its_own_problems_and_falls_back_to_the_default():
     assert str(info.value) == "p.toml: flags.F.args[0]: must be a string, got 1"
 
 
+@pydantic_dataclass(frozen=True, config=STRICT)
+class Target:
+    panel: StrictStr = "default"
+    size: StrictInt = 1
+
+    @classmethod
+    def explain(cls, problem, data):
+        return f" [target]: {problem.text}" if problem.kind != "extra_forbidden" else None
+
+
 def test_a_pydantic_dataclass_schema_is_read_the_same_way():
-    import dataclasses
-
-    from pydantic.dataclasses import dataclass
-
-    from core.schema import STRICT
-
-    @dataclass(frozen=True, config=STRICT)
-    class Target:
-        panel: str = "default"
-        size: int = 1
-
-        @classmethod
-        def explain(cls, problem, data):
-            return f" [target]: {problem.text}" if problem.kind != "extra_forbidden" else None
-
     assert parse_model(Target, {"panel": "x"}, "t.toml", ConfigError) == Target(panel="x")
     assert dataclasses.replace(Target(), size=2).size == 2
     with pytest.raises(ConfigError) as info:
