@@ -36,6 +36,10 @@ class Mechanism(str, enum.Enum):
 
 MECHANISMS: tuple[Mechanism, ...] = tuple(Mechanism)
 MECHANISM_NAMES: tuple[str, ...] = tuple(m.value for m in MECHANISMS)
+# the mechanisms only a long prompt reaches (the 29-51-token dsv4-ci panel reaches none of them; ratio-4 entries,
+# DSpark taps and Engram lookups are live from the first few tokens): a flag touching one is A/B'd at depth
+DEPTH_MECHANISMS: frozenset[str] = frozenset({Mechanism.WINDOW_FULL_EVICTING.value, Mechanism.COMPRESSED_R128.value,
+                                              Mechanism.INDEXER_PRUNING.value})
 MASK_DTYPE = np.dtype(np.int64)
 
 

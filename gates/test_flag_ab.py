@@ -10,6 +10,11 @@
 * ``numerics`` → kl_band (the on-run's KL panel within its band against the oracle) and paired_not_worse
   (per-prompt paired KL_part on − off: gates.md §2.7 rule with Wilcoxon significance);
 * ``perf``     → both bitwise gates plus speed (median tokens/s, alternating off/on rounds).
+* a flag whose code runs at depth (its registry ``mechanisms``: window eviction, compressed entries, indexer
+  pruning) also gets ``kl_depth`` (numerics: the on-run's KL per depth bucket against the oracle's long-context
+  reference of long@1's ``kl_lengths`` items) or ``bitwise_depth`` (exact / perf: the on-run's prompt logprobs of
+  those items identical to off's). Both arms' scored positions join the coverage of their own arm: only the
+  on-arm's count for the flag (ds41gates/coverage.py), so a flag A/B'd on the short panel alone is NOT EXERCISED.
 
 One test function per registry gate; a flag gets the tests its class (or its ``gates`` list) names. Every
 verdict lands in results.json under ``flag_ab`` and in the report's "Flag A/B verdicts" section. Without
@@ -201,4 +206,66 @@ def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_toke
             _, wall, n = _generate(endpoint, ab_prompts, greedy_tokens)
             speeds.append(n / wall)
     verdict = verdicts.speed_verdict(stats.speed_verdict(off_s, on_s, entry.thresholds))
+    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+
+
+# ------------------------------------------------------------------------------------ at depth (issue 39)
+
+@pytest.fixture(scope="session")
+def depth_items(gate_config, gate_target, engine_facts, engine_endpoint):
+    """long@1's items of the profile's kl_lengths (past the indexer's 2,048 on vllm-cpu-dsv4), encoded; a profile
+    with none, or whose engine cannot hold them, is not applicable here (xfail, never PASS)."""
+    from gates.lib.depth import long_items
+
+    lengths = tuple(gate_config.long_context.kl_lengths)
+    limit = engine_facts["max_model_len"]
+    if not lengths or limit is None or max(lengths) > limit:
+        pytest.xfail(f"depth A/B not applicable to {engine_endpoint.profile!r}: "
+                     + (f"max_model_len {limit} cannot hold {max(lengths)} tokens" if lengths
+                        else "no [long_context] kl_lengths in its sizes"))
+    return lengths, long_items(lengths, gate_config.long_context.kl_domains, gate_target.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def depth_reference(depth_items, long_reference):
+    return long_reference(depth_items[1])
+
+
+def _depth_record(endpoint, depth_items, depth_reference, gate_results, arm):
+    from engine.endpoint import DEFAULT_ENGINE_K, score_engine
+
+    lengths, encoded = depth_items
+    rec = score_engine(endpoint, encoded, DEFAULT_ENGINE_K)
+    ref = depth_reference
+    gate_results.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{list(lengths)}", ref,
+                              arm=arm)
+    return rec
+
+
+@pytest.fixture(scope="session")
+def off_depth_record(engine_endpoint, depth_items, depth_reference, gate_results):
+    return _depth_record(engine_endpoint, depth_items, depth_reference, gate_results, None)
+
+
+@pytest.fixture(scope="session")
+def on_depth_record(flag_name, flag_on, depth_items, depth_reference, gate_results):
+    return _depth_record(flag_on, depth_items, depth_reference, gate_results, flag_name)
+
+
+@guards("kl_depth")
+def test_kl_depth(entry, depth_items, depth_reference, on_depth_record, gate_results, engine_endpoint, gate_target):
+    from gates.lib.depth import judge_at_depth
+
+    band = entry.thresholds.band_profile or engine_endpoint.profile
+    dv = judge_at_depth(depth_reference, on_depth_record, gate_target.bands, band)
+    gate_results.add_section(f"Flag A/B at depth: {entry.name} on, KL / top-1 per depth bucket against the oracle",
+                             list(dv.rows), f"bands per bucket: [depth.{band}] in {gate_target.bands}")
+    _settle(verdicts.depth_band_verdict(dv.passed, dv.failures, band, dv.rows, depth_items[0]), entry, gate_results,
+            engine_endpoint.profile)
+
+
+@guards("bitwise_depth")
+def test_bitwise_depth(entry, off_depth_record, on_depth_record, gate_results, engine_endpoint):
+    verdict = verdicts.bitwise_verdict(stats.compare_records_bitwise(off_depth_record, on_depth_record),
+                                       "bitwise_depth")
     _settle(verdict, entry, gate_results, engine_endpoint.profile)

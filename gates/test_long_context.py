@@ -108,12 +108,8 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
     depth bucket (core.metrics.by_depth, the profile's [depth] bands); the reference's mechanism masks join the
     session's coverage (gate_results.add_coverage), and the per-bucket KL table and the coverage table go to the
     report."""
-    from core.bands import judge_depth, load_depth_bands
-    from core.metrics import position_metrics
-    from core.metrics.by_depth import depth_reports, depth_rows
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
-    from panels import encode_panel, load_panel
-    from panels.long import select
+    from gates.lib.depth import judge_at_depth, long_items
 
     profile = engine_endpoint.profile
     limit = engine_facts["max_model_len"]
@@ -122,29 +118,23 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
                else f"max_model_len {limit} cannot hold {max(lengths)} tokens")
         gate_results.add(GateEntry(gate_name, None, profile=profile, failures=(why,)))
         pytest.xfail(f"{gate_name} not applicable: {why}")
-    domains = gate_config.long_context.kl_domains or None   # none listed: every domain of long@1
-    encoded = encode_panel(select(load_panel("long"), lengths=lengths, domains=domains), gate_target.tokenizer)
+    encoded = long_items(lengths, gate_config.long_context.kl_domains, gate_target.tokenizer)
     t0 = time.perf_counter()
     ref = long_reference(encoded)
     t1 = time.perf_counter()
     eng = score_engine(engine_endpoint, encoded, DEFAULT_ENGINE_K)
     t2 = time.perf_counter()
     gate_results.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{lengths}", ref)
-    reports = depth_reports(ref, position_metrics(ref, eng))
-    verdict = judge_depth(reports, load_depth_bands(profile, gate_target.bands), profile)
-    rows = depth_rows(reports)
-    for row, v in zip(rows, verdict.domains):
-        row["verdict"] = "pass" if v.passed else "FAIL"
-        row["why"] = "; ".join(v.failures)
-    gate_results.add(GateEntry(gate_name, verdict.passed, profile=profile, failures=verdict.failures(),
-                               metrics={f"kl_part_mean[{r['bucket']}]": float(r["kl_part_mean"]) for r in rows},
-                               evidence={"buckets": rows, "lengths": list(lengths),
+    verdict = judge_at_depth(ref, eng, gate_target.bands, profile)
+    gate_results.add(GateEntry(gate_name, verdict.passed, profile=profile, failures=verdict.failures,
+                               metrics=verdict.metrics(),
+                               evidence={"buckets": list(verdict.rows), "lengths": list(lengths),
                                          "seconds": {"reference": round(t1 - t0, 1), "engine": round(t2 - t1, 1)}}))
-    gate_results.add_section(f"Long context: KL / top-1 per depth bucket against the oracle ({gate_name})", rows,
+    gate_results.add_section(f"Long context: KL / top-1 per depth bucket against the oracle ({gate_name})",
+                             list(verdict.rows),
                              f"{profile} vs the {gate_target.oracle} oracle ({gate_target.precision}) on long@1 items "
                              f"of {list(lengths)} tokens; bands per bucket: [depth.{profile}] in {gate_target.bands}")
-    assert rows and sum(r["positions"] for r in rows if r["bucket"] != "last256") == len(ref.pos_index)
-    assert verdict.passed, f"{gate_name} failed:\n" + "\n".join(verdict.failures())
+    assert verdict.passed, f"{gate_name} failed:\n" + "\n".join(verdict.failures)
 
 
 @pytest.mark.long

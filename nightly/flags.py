@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from core.coverage import MECHANISM_NAMES
+from core.coverage import DEPTH_MECHANISMS, MECHANISM_NAMES
 from core.errors import UserError
 from core.tomlfile import read_toml
 
@@ -61,7 +61,11 @@ CLASS_GATES: dict[str, tuple[str, ...]] = {
     "numerics": ("kl_band", "paired_not_worse"),
     "perf": ("bitwise_panel", "bitwise_greedy", "speed"),
 }
-KNOWN_GATES = frozenset(g for gates in CLASS_GATES.values() for g in gates)
+# ... and, for a flag whose mechanisms only a long prompt reaches (core.coverage.DEPTH_MECHANISMS), the same
+# comparison on long@1 at depth (issue 39): without it the flag's on-arm never runs its code and reads NOT EXERCISED
+DEPTH_GATES: dict[str, tuple[str, ...]] = {"exact": ("bitwise_depth",), "numerics": ("kl_depth",),
+                                           "perf": ("bitwise_depth",)}
+KNOWN_GATES = frozenset(g for gates in (*CLASS_GATES.values(), *DEPTH_GATES.values()) for g in gates)
 
 _ENTRY_KEYS = {"description", "class", "kind", "component", "values", "default", "production", "gates",
                "evidence", "notes", "thresholds", "mechanisms"}
@@ -186,7 +190,10 @@ class FlagEntry:
         return self.kind == "test-only"
 
     def effective_gates(self) -> tuple[str, ...]:
-        return self.gates or CLASS_GATES[self.cls]
+        if self.gates:
+            return self.gates
+        deep = DEPTH_GATES[self.cls] if DEPTH_MECHANISMS.intersection(self.mechanisms) else ()
+        return CLASS_GATES[self.cls] + deep
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -25,10 +25,22 @@ def bitwise_why(res: BitwiseResult) -> str:
             + "; ".join(res.mismatches))
 
 
-def bitwise_verdict(res: BitwiseResult) -> FlagGateVerdict:
-    """bitwise_panel: every id and logprob of the on-record equals the off-record's."""
-    return FlagGateVerdict("bitwise_panel", res.identical, bitwise_why(res), max_abs_diff=res.max_abs_diff,
+def bitwise_verdict(res: BitwiseResult, gate: str = "bitwise_panel") -> FlagGateVerdict:
+    """bitwise_panel (the panel) / bitwise_depth (long@1 at depth): every id and logprob of the on-record equals
+    the off-record's."""
+    return FlagGateVerdict(gate, res.identical, bitwise_why(res), max_abs_diff=res.max_abs_diff,
                            evidence=res.as_dict())
+
+
+def depth_band_verdict(passed: bool, failures: Sequence[str], band_profile: str, rows: Sequence[Mapping[str, Any]],
+                       lengths: Sequence[int]) -> FlagGateVerdict:
+    """kl_depth: the on-run's KL / top-1 per depth bucket against the oracle's long-context reference, under
+    ``band_profile``'s [depth] bands (gates/lib/depth.py)."""
+    worst = max((float(r["kl_part_mean"]) for r in rows), default=float("nan"))
+    return FlagGateVerdict("kl_depth", passed, "; ".join(failures) or
+                           f"every depth bucket within the {band_profile} depth bands (long@1 items of {list(lengths)} "
+                           f"tokens; worst bucket mean KL_part {worst:.4g})",
+                           evidence={"band_profile": band_profile, "lengths": list(lengths), "buckets": list(rows)})
 
 
 def greedy_verdict(off_vs_off: BitwiseResult, off_vs_on: BitwiseResult) -> FlagGateVerdict:
