@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+from oracle.kinds import ORACLE_KINDS, OracleKind, OracleKindError, oracle_kind, oracle_kind_of
+
 oracle_app = typer.Typer(help="The fp32 oracles: DeepSeek's (layer-streamed) and the generic transformers one.",
                          no_args_is_help=True, add_completion=False)
 
@@ -50,46 +52,34 @@ def load_panel_arg(spec: str, tokenizer: str | None):
     return panels.encode_panel(panels.load_panel(spec), tok), tok
 
 
-IMPLEMENTATIONS = ("auto", "deepseek", "transformers")
+IMPLEMENTATIONS = ("auto", *sorted(ORACLE_KINDS))
 
 
-def detect_implementation(checkpoint: Path) -> str:
-    """'deepseek' for a DeepSeek checkpoint (an inference config without `model_type`, or a `deepseek*`
-    model type), 'transformers' for any other transformers model folder; a folder without a readable
-    config.json is a named error."""
-    import json
-
-    cfg_path = checkpoint / "config.json"
+def chosen_kind(checkpoint: Path, implementation: str) -> OracleKind:
+    """The oracle kind `--implementation` names, or (auto) the one the checkpoint's config.json belongs to."""
+    if implementation not in IMPLEMENTATIONS:
+        _fail(f"--implementation {implementation!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        _fail(f"{cfg_path}: no config.json: --checkpoint must be a model folder (a DeepSeek checkpoint or a "
-              "transformers model directory)")
-    except (OSError, ValueError) as exc:
-        _fail(f"{cfg_path}: cannot read the model config ({exc})")
-    if not isinstance(cfg, dict):
-        _fail(f"{cfg_path}: the model config must be a JSON object")
-    model_type = cfg.get("model_type")
-    if model_type is None or str(model_type).lower().startswith("deepseek"):
-        return "deepseek"
-    return "transformers"
+        return oracle_kind_of(checkpoint) if implementation == "auto" else oracle_kind(implementation)
+    except OracleKindError as exc:
+        _fail(str(exc))
 
 
-def _run_transformers(checkpoint: Path, panel: str, out: Path, work: Optional[Path], tokenizer: Optional[str],
-                      threads: int, top_k: int, full_logprobs: bool, progress: bool, keep_work: bool,
-                      restart: bool, refused: dict) -> None:
-    """The generic fp32 transformers oracle behind the same command; the DeepSeek runner's options that have
-    no meaning for it are refused, never ignored."""
+def _run_whole_panels(kind: OracleKind, checkpoint: Path, panel: str, out: Path, work: Optional[Path],
+                      tokenizer: Optional[str], precision: str, threads: int, top_k: int, full_logprobs: bool,
+                      progress: bool, keep_work: bool, restart: bool, refused: dict) -> None:
+    """An oracle that scores whole panels in memory (the generic fp32 transformers oracle) behind the same
+    command; the layer-streamed runner's options that have no meaning for it are refused, never ignored."""
     import shutil
 
     from core.records import RecordError
-    from oracle.hf import HFPanelOracle
     from oracle.scoring import OracleError
 
-    given = [name for name, is_set in refused.items() if is_set]
+    given = [name for name, is_set in {**refused, "--precision": precision not in kind.run_precisions}.items()
+             if is_set]
     if given:
-        _fail(f"{', '.join(given)}: DeepSeek-oracle options; {checkpoint} is a transformers model folder "
-              "(the generic fp32 oracle has one precision, fp32 on CPU, and scores whole panels)")
+        _fail(f"{', '.join(given)}: DeepSeek-oracle options; {checkpoint} is a {kind.name} model folder "
+              f"(the {kind.summary} computes in {', '.join(kind.run_precisions)} on CPU and scores whole panels)")
     tok = tokenizer or str(checkpoint)
     try:
         pin, _ = load_panel_arg(panel, tok)
@@ -97,15 +87,15 @@ def _run_transformers(checkpoint: Path, panel: str, out: Path, work: Optional[Pa
         work_dir = work if work is not None else out.with_name(out.name + ".work")
         if restart and work_dir.exists():
             shutil.rmtree(work_dir)
-        rec = HFPanelOracle(checkpoint, top_k=top_k, full_vocab=full_logprobs, threads=threads or 2,
-                            checkpoint_dir=work_dir, progress=progress).score(pin)
+        rec = kind.oracle(None, checkpoint, work_dir, precision=precision, top_k=top_k, threads=threads or 2,
+                          progress=progress, full_logprobs=full_logprobs).score(pin)
         rec.save(out)
         if not keep_work:
             shutil.rmtree(work_dir, ignore_errors=True)
     except (OracleError, RecordError, ValueError, OSError) as e:
         _fail(str(e))
-    typer.echo(f"wrote {out}: {rec.n_sequences} sequences, {rec.n_positions} scored positions (transformers "
-               f"fp32, {rec.provenance.extra['seconds']:.1f} s, {rec.provenance.extra['resumed_sequences']} "
+    typer.echo(f"wrote {out}: {rec.n_sequences} sequences, {rec.n_positions} scored positions ({kind.name} "
+               f"{precision}, {rec.provenance.extra['seconds']:.1f} s, {rec.provenance.extra['resumed_sequences']} "
                "sequences resumed)")
 
 
@@ -142,22 +132,19 @@ def run_cmd(
                                               "worker slots, at most one per sequence)"),
     retries: int = typer.Option(2, "--retries", help="with --cluster: reruns of a shard whose worker died or failed"),
     implementation: str = typer.Option("auto", "--implementation",
-                                       help="auto | deepseek | transformers (auto: DeepSeek checkpoints go to the "
+                                       help=f"{' | '.join(IMPLEMENTATIONS)} (auto: DeepSeek checkpoints go to the "
                                             "DeepSeek oracle, other transformers folders to the generic one)"),
 ) -> None:
     """Score a panel. DeepSeek checkpoints layer by layer (every sequence through layer L, then L is freed and
     L+1 loaded; with --cluster the panel's shards run on the workers of a Ray cluster and are merged into OUT);
     any other transformers model with the generic fp32 transformers oracle."""
-    if implementation not in IMPLEMENTATIONS:
-        _fail(f"--implementation {implementation!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
-    chosen = detect_implementation(checkpoint) if implementation == "auto" else implementation
-    if chosen == "transformers":
-        _run_transformers(checkpoint, panel, out, work, tokenizer, threads, top_k, full_logprobs, progress,
-                          keep_work, restart,
-                          {"--pack": pack is not None, "--precision": precision != "fp32",
-                           "--device": device != "cpu", "--shard": shard is not None, "--spill": spill != "auto",
-                           "--cluster": cluster is not None, "--shards": shards is not None,
-                           "--stream-experts": stream_experts})
+    kind = chosen_kind(checkpoint, implementation)
+    if not kind.layer_streamed:
+        _run_whole_panels(kind, checkpoint, panel, out, work, tokenizer, precision, threads, top_k, full_logprobs,
+                          progress, keep_work, restart,
+                          {"--pack": pack is not None, "--device": device != "cpu", "--shard": shard is not None,
+                           "--spill": spill != "auto", "--cluster": cluster is not None,
+                           "--shards": shards is not None, "--stream-experts": stream_experts})
         return
     if device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before anything initialises cuBLAS

@@ -63,6 +63,9 @@ class OracleKind(ABC):
     run_precisions: tuple[str, ...]
     capture_precisions: tuple[str, ...]
     long_context: bool = field(default=False)   # has a chunked long-context reference (ensure_long_reference)
+    # scores a panel layer by layer over a checkpoint, so it can be sharded, clustered, spilled and packed
+    # (`ds41gate oracle run`'s --shard/--cluster/--spill/--pack/...); otherwise it scores whole panels in memory
+    layer_streamed: bool = field(default=False)
 
     def check_gate_precision(self, precision: str, where: str = "precision") -> str:
         if precision not in self.gate_precisions:
@@ -84,10 +87,11 @@ class OracleKind(ABC):
         """Read what the oracle loads from ``model_dir`` far enough to name it."""
 
     @abstractmethod
-    def oracle(self, identity: OracleIdentity, model_dir: Path, work: Path, *, precision: str = "fp32",
-               top_k: int = 256, threads: int = 1, progress: bool = False):
+    def oracle(self, identity: OracleIdentity | None, model_dir: Path, work: Path, *, precision: str = "fp32",
+               top_k: int = 256, threads: int = 1, progress: bool = False, full_logprobs: bool = False):
         """The ``oracle.seam.Oracle`` over ``model_dir``: ``.score(encoded_panel) -> Record``, resumable through
-        ``work`` (per-sequence scores or per-layer activations; the caller removes it once the record is saved)."""
+        ``work`` (per-sequence scores or per-layer activations; the caller removes it once the record is saved).
+        ``identity``: what ``identity(model_dir)`` returned, so what it opened is reused (None: opened here)."""
 
     @abstractmethod
     def capturer(self, model_dir: Path, precision: str, base: Capturer | None = None) -> Capturer:
@@ -148,11 +152,13 @@ class TransformersKind(OracleKind):
 
         return OracleIdentity(self.name, model_hash(model_dir))
 
-    def oracle(self, identity, model_dir, work, *, precision="fp32", top_k=256, threads=1, progress=False):
+    def oracle(self, identity, model_dir, work, *, precision="fp32", top_k=256, threads=1, progress=False,
+               full_logprobs=False):
         from oracle.hf import HFPanelOracle
 
         _check(self, precision, self.run_precisions, "precision")
-        return HFPanelOracle(Path(model_dir), top_k=top_k, threads=threads, checkpoint_dir=work, progress=progress)
+        return HFPanelOracle(Path(model_dir), top_k=top_k, full_vocab=full_logprobs, threads=threads,
+                             checkpoint_dir=Path(work), progress=progress)
 
     def capturer(self, model_dir, precision, base=None) -> Capturer:
         _check(self, precision, self.capture_precisions, "capture precision")
@@ -197,14 +203,15 @@ class DeepSeekKind(OracleKind):
         ck = Checkpoint(Path(model_dir))
         return OracleIdentity(self.name, checkpoint_identity(ck), ck)
 
-    def oracle(self, identity, model_dir, work, *, precision="fp32", top_k=256, threads=1, progress=False):
+    def oracle(self, identity, model_dir, work, *, precision="fp32", top_k=256, threads=1, progress=False,
+               full_logprobs=False):
         from oracle.dsv41.checkpoint import Checkpoint
         from oracle.dsv41.runner import DSV41Oracle, RunOptions
 
         _check(self, precision, self.run_precisions, "precision")
-        ck = identity.loaded if identity.loaded is not None else Checkpoint(Path(model_dir))
+        ck = identity.loaded if identity is not None else Checkpoint(Path(model_dir))
         return DSV41Oracle(ck, Path(work), RunOptions(precision=precision, threads=threads, top_k=top_k,
-                                                      progress=progress))
+                                                      progress=progress, full_logprobs=full_logprobs))
 
     def capturer(self, model_dir, precision, base=None) -> Capturer:
         _check(self, precision, self.capture_precisions, "capture precision")
@@ -231,7 +238,7 @@ TRANSFORMERS = TransformersKind(
 DEEPSEEK = DeepSeekKind(
     name="deepseek", summary="layer-streamed DeepSeek-V4 / V4.1 oracle (oracle/dsv41)",
     identity_field="checkpoint_hash", gate_precisions=("fp32",), run_precisions=("fp32", "reference-bf16"),
-    capture_precisions=("fp32", "reference-bf16"), long_context=True)
+    capture_precisions=("fp32", "reference-bf16"), long_context=True, layer_streamed=True)
 
 ORACLE_KINDS: Mapping[str, OracleKind] = {k.name: k for k in (TRANSFORMERS, DEEPSEEK)}
 

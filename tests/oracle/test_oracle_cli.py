@@ -137,9 +137,9 @@ def smollm2_dir() -> Path:
 
 
 def test_a_transformers_folder_runs_through_the_same_command(smollm2_dir, tmp_path):
-    from oracle.cli import detect_implementation
+    from oracle.kinds import oracle_kind_of
 
-    assert detect_implementation(smollm2_dir) == "transformers"
+    assert oracle_kind_of(smollm2_dir).name == "transformers"
     panel = tmp_path / "canary.json"
     panel.write_text(json.dumps([SMOLLM2_CANARY]))
     out = tmp_path / "smollm2.safetensors"
@@ -168,11 +168,11 @@ def test_transformers_folder_refuses_deepseek_only_options(smollm2_dir, tmp_path
 
 
 def test_implementation_detection(tiny, tmp_path):
-    from oracle.cli import detect_implementation
+    from oracle.kinds import oracle_kind_of
 
-    assert detect_implementation(tiny) == "deepseek"
+    assert oracle_kind_of(tiny).name == "deepseek"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "hidden_size": 8}))
-    assert detect_implementation(tmp_path) == "deepseek"
+    assert oracle_kind_of(tmp_path).name == "deepseek"
     (tmp_path / "config.json").write_text("[1, 2]")
     r = oracle("run", "--checkpoint", str(tmp_path), "--panel", "x.json", "--out", str(tmp_path / "o"))
     assert r.exit_code == 2 and "config.json: the model config must be a JSON object" in r.output
