@@ -55,10 +55,10 @@ def oracle_for(profile: str) -> tuple[str, Path, str]:
 
 
 def floor_precision(kind: str, engine_dtype: str) -> str:
-    """The oracle's own run that an honest engine of this precision may differ like."""
-    if kind == "deepseek":
-        return "reference-bf16"
-    return "fp64" if engine_dtype in ("float32", "float", "fp32") else "bf16"
+    """The oracle's own run that an honest engine of this precision may differ like (the oracle kind's word)."""
+    from oracle.kinds import oracle_kind
+
+    return oracle_kind(kind).floor_precision(engine_dtype)
 
 
 def prompt_ids(profile: str, prompt: str | None = None, panel_item: str | None = None, panel: str | None = None,
@@ -99,35 +99,12 @@ def token_texts(profile: str, ids: Sequence[int]) -> list[str]:
     return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
 
 
-class _Oracle:
-    """The oracle's captures of ``ids + [decode token]`` at one precision; each model loaded once."""
+def _capturer(kind: str, model_dir: Path, precision: str, base=None):
+    """The oracle's captures of ``ids + [decode token]`` at one precision, as the oracle kind makes them
+    (oracle/kinds.py: one load per capturer; ``base`` an fp32 capturer of the same folder whose load is copied)."""
+    from oracle.kinds import oracle_kind
 
-    def __init__(self, kind: str, model_dir: Path, precision: str, base: "_Oracle | None" = None):
-        self.kind, self.model_dir, self.precision, self.base = kind, model_dir, precision, base
-        self._loaded = None
-        self.info: dict = {}
-        self.forward_s = 0.0
-        self.load_s = 0.0
-
-    def capture(self, ids: Sequence[int], layers: Sequence[int] | None = None,
-                spill: Path | None = None) -> Mapping:
-        """``spill``: the captures go to that folder as the hooks fire and come back as a lazy mapping."""
-        from oracle.capture import capture_dsv41, capture_hf, load_hf
-
-        if self.kind == "deepseek":
-            acts, info = capture_dsv41(self.model_dir, ids, self.precision, layers=layers, spill=spill)
-            self.load_s += info["load_s"]
-        else:
-            if self._loaded is None:
-                t = time.perf_counter()
-                base = self.base._loaded if self.base is not None else None   # a copy of the fp32 load
-                self._loaded = load_hf(self.model_dir, self.precision, base=base)
-                self.load_s += time.perf_counter() - t
-            acts, info = capture_hf(self.model_dir, ids, self.precision, layers=layers, oracle=self._loaded,
-                                    spill=spill)
-        self.forward_s += info["forward_s"]
-        self.info = info
-        return acts
+    return oracle_kind(kind).capturer(model_dir, precision, base=base)
 
 
 class _Phased(Mapping):
@@ -247,8 +224,8 @@ def run_localize(profile: str, ids: Sequence[int], source: dict, work: Path,
         check_fault_applied(inv, report["cases"][case["name"]], case)
     echo(f"engine done in {report['wall_s']:.1f} s (load {report['load_s']:.1f} s); oracle {kind} fp32 and the "
          f"{floor} floor")
-    oracle = _Oracle(kind, model_dir, "fp32")
-    floor_orc = _Oracle(kind, model_dir, floor, base=oracle)   # captured after the fp32 oracle, from its load
+    oracle = _capturer(kind, model_dir, "fp32")
+    floor_orc = _capturer(kind, model_dir, floor, base=oracle)   # captured after the fp32 oracle, from its load
     texts = token_texts(profile, ids)
     refs: dict[int | None, tuple[Mapping, Mapping]] = {}
     out: dict[str, LocalizeRecord] = {}
@@ -341,7 +318,7 @@ def run_ab(profile: str, ids: Sequence[int], source: dict, work: Path, flags: Se
         from core.localize import kl_per_position, metric_of, position_distances
 
         kind, model_dir, _ = oracle_for(profile)
-        orc = _Oracle(kind, model_dir, "fp32")
+        orc = _capturer(kind, model_dir, "fp32")
         o_acts = _phased(orc.capture(full, layers, Path(work) / "oracle"), len(ids), decode)
         for k in sorted(set(o_acts) & set(base)):
             t, r = _to_numpy(base[k]), _to_numpy(o_acts[k])
