@@ -7,6 +7,9 @@ wherever it runs::
     t = resolve_gate_target("vllm-cpu-dsv4")
     t.model_dir, t.encoded, t.oracle, t.precision, t.bands, t.sizes
 
+    profiles, checked = one_gate_target(["vllm-cpu-fp32", "vllm-cpu-bf16"])   # names and files only
+    t = resolve_gate_target(checked)                                          # builds; checks nothing again
+
 No profile (``None``) is the embedded default: SmolLM2 on the `default` panel, its own tokenizer, the
 transformers oracle. Paths in the table are relative to the repository root.
 """
@@ -31,6 +34,7 @@ from engine.profiles import (
 )
 
 if TYPE_CHECKING:
+    from oracle.kinds import OracleKind
     from panels import EncodedPanel
 
 ProfileRef = str | os.PathLike[str] | Profile | None
@@ -51,6 +55,13 @@ class ResolvedTarget:
     @property
     def oracle(self) -> str:
         return self.target.oracle
+
+    @property
+    def oracle_kind(self) -> OracleKind:
+        """The registered oracle kind (oracle.kinds) the reference comes from."""
+        from oracle.kinds import oracle_kind
+
+        return oracle_kind(self.target.oracle)
 
     @property
     def precision(self) -> str:
@@ -88,30 +99,46 @@ def _repo_file(value: str, key: str, where: str) -> Path:
     return path
 
 
-def gate_files(profile: ProfileRef) -> tuple[Path, Path | None]:
-    """(bands, sizes) of the profile's target, checked to exist; builds nothing."""
-    prof = _profile(profile)
-    target, where = gate_target(prof), _where(prof)
-    sizes = _repo_file(target.sizes, "sizes", where) if target.sizes else None
-    return _repo_file(target.bands, "bands", where), sizes
+@dataclass(frozen=True)
+class CheckedTarget:
+    """A profile's gate target checked: the model a known provider, the panel and tokenizer names resolvable, the
+    bands and sizes files present -- so a nightly's preflight refuses a name that would only fail hours later, in
+    a cell. Nothing is built yet; ``resolve`` builds, and checks nothing again."""
+
+    profile: Profile | None      # None: the embedded default
+    target: GateTarget
+    bands: Path
+    sizes: Path | None
+
+    def resolve(self, panel: str | None = None, *, encode: bool = True) -> ResolvedTarget:
+        """The model folder built (cached after the first time), the panel — `panel` when given, else the
+        target's — encoded with the target's tokenizer and chat encoding."""
+        from engine.launcher import default_providers
+
+        model_dir = Path(default_providers()[self.target.model]())
+        tokenizer = str(model_dir) if self.target.tokenizer == OWN_TOKENIZER else self.target.tokenizer
+        encoded = None
+        if encode:
+            from panels import encode_panel, load_panel, load_tokenizer
+
+            encoded = encode_panel(load_panel(panel or self.target.panel), load_tokenizer(tokenizer))
+        return ResolvedTarget(profile=self.profile.name if self.profile is not None else "", target=self.target,
+                              model_dir=model_dir, tokenizer=tokenizer, bands=self.bands, sizes=self.sizes,
+                              encoded=encoded)
 
 
-def gate_sizes(profile: ProfileRef) -> Path | None:
-    """The gate sizes file the profile declares over gates/config.toml (None: the CI sizes alone)."""
-    return gate_files(profile)[1]
-
-
-def _checked(prof: Profile | None) -> tuple[GateTarget, Path, Path | None]:
-    """(target, bands, sizes): the model a known provider, the panel and tokenizer names resolvable, both files
-    present -- so a nightly's preflight refuses a name that would only fail hours later, in a cell."""
+def checked_target(profile: ProfileRef) -> CheckedTarget:
+    """Load the profile (unless given one) and check its target once (CheckedTarget)."""
     from engine.launcher import MODEL_PROVIDERS
 
-    target = gate_target(prof)
+    prof = _profile(profile)
+    target, where = gate_target(prof), _where(prof)
     if target.model not in MODEL_PROVIDERS:
-        raise ProfileError(f"{_where(prof)} [gate]: model {target.model!r} is not a model provider; "
+        raise ProfileError(f"{where} [gate]: model {target.model!r} is not a model provider; "
                            f"known: {list(MODEL_PROVIDERS)} (engine.launcher.MODEL_PROVIDERS)")
-    _check_names(target, _where(prof))
-    return (target, *gate_files(prof))
+    _check_names(target, where)
+    sizes = _repo_file(target.sizes, "sizes", where) if target.sizes else None
+    return CheckedTarget(prof, target, _repo_file(target.bands, "bands", where), sizes)
 
 
 TOKENIZER_NAMES = ("smollm2", "deepseek")   # panels.load_tokenizer's named tokenizers
@@ -137,40 +164,27 @@ def _check_names(target: GateTarget, where: str) -> None:
 
 def check_gate_target(profile: ProfileRef) -> GateTarget:
     """Every name in the target is known and every file exists, without building a model or encoding a panel."""
-    return _checked(_profile(profile))[0]
+    return checked_target(profile).target
 
 
-def resolve_gate_target(profile: ProfileRef, panel: str | None = None, *, encode: bool = True) -> ResolvedTarget:
-    """The profile's target made concrete: the model folder built (cached after the first time), the panel —
-    `panel` when given, else the target's — encoded with the target's tokenizer and chat encoding."""
-    from engine.launcher import default_providers
-
-    prof = _profile(profile)
-    target, bands, sizes = _checked(prof)
-    model_dir = Path(default_providers()[target.model]())
-    tokenizer = str(model_dir) if target.tokenizer == OWN_TOKENIZER else target.tokenizer
-    encoded = None
-    if encode:
-        from panels import encode_panel, load_panel, load_tokenizer
-
-        encoded = encode_panel(load_panel(panel or target.panel), load_tokenizer(tokenizer))
-    return ResolvedTarget(profile=prof.name if prof is not None else "", target=target, model_dir=model_dir,
-                          tokenizer=tokenizer, bands=bands, sizes=sizes, encoded=encoded)
+def resolve_gate_target(profile: ProfileRef | CheckedTarget, panel: str | None = None, *,
+                        encode: bool = True) -> ResolvedTarget:
+    """The profile's target checked (unless `profile` is already a CheckedTarget) and made concrete
+    (CheckedTarget.resolve)."""
+    checked = profile if isinstance(profile, CheckedTarget) else checked_target(profile)
+    return checked.resolve(panel, encode=encode)
 
 
-def one_gate_target(profiles: Sequence[str | os.PathLike[str] | Profile]) -> tuple[list[Profile], GateTarget]:
+def one_gate_target(profiles: Sequence[str | os.PathLike[str] | Profile]) -> tuple[list[Profile], CheckedTarget]:
     """Load `profiles` and check they can share one reference and one pass rule: the same model, panel, encoding,
-    oracle, precision and bands file (gate sizes may differ per profile). Names and files only: nothing is built."""
+    oracle, precision and bands file (gate sizes may differ per profile). Names and files only: nothing is built.
+    -> (the loaded profiles, the first one's CheckedTarget: what `resolve_gate_target` builds from)."""
     if not profiles:
         raise ProfileError("no engine profile given")
-    loaded: list[Profile] = []
-    targets: dict[str, GateTarget] = {}
-    for ref in profiles:
-        prof = ref if isinstance(ref, Profile) else load_profile(ref)
-        targets[prof.name] = check_gate_target(prof)
-        loaded.append(prof)
+    checked = [checked_target(ref if isinstance(ref, Profile) else load_profile(ref)) for ref in profiles]
+    targets = {c.profile.name: c.target for c in checked}
     if len({(t.model, t.panel, t.tokenizer, t.oracle, t.precision, t.bands) for t in targets.values()}) > 1:
         what = ", ".join(f"{n}: {t.model} on {t.panel} ({t.oracle})" for n, t in targets.items())
         raise ProfileError(f"profiles {list(targets)} are gated on different targets ({what}); one run gates one "
                            "model against one reference: run once per target")
-    return loaded, targets[loaded[0].name]
+    return [c.profile for c in checked], checked[0]

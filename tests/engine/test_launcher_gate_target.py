@@ -16,9 +16,11 @@ from engine.profiles import (
     parse_profile,
 )
 from engine.target import (
+    CheckedTarget,
     check_gate_target,
-    gate_sizes,
+    checked_target,
     gate_target,
+    one_gate_target,
     resolve_gate_target,
 )
 
@@ -43,7 +45,7 @@ def test_no_gate_table_is_the_embedded_default_smollm2_on_its_own_tokenizer():
     assert prof.gate == DEFAULT_GATE_TARGET
     assert (prof.gate.model, prof.gate.panel, prof.gate.tokenizer, prof.gate.oracle, prof.gate.precision) == \
         ("model_hf_dir", "default", OWN_TOKENIZER, "transformers", "fp32")
-    assert gate_target(None) == DEFAULT_GATE_TARGET and gate_sizes(None) is None
+    assert gate_target(None) == DEFAULT_GATE_TARGET and checked_target(None).sizes is None
 
 
 def test_a_partial_gate_table_keeps_the_default_for_the_keys_it_leaves_out():
@@ -91,14 +93,15 @@ def test_an_unknown_model_provider_or_a_missing_file_is_refused_before_any_work(
 
 @pytest.mark.parametrize("name", available_profiles())
 def test_every_shipped_profile_declares_a_known_model_and_existing_files(name):
-    target = check_gate_target(name)
-    if target.sizes:
-        assert gate_sizes(name) == REPO_ROOT / target.sizes
+    checked = checked_target(name)
+    assert checked.target == check_gate_target(name) == load_profile(name).gate
+    assert checked.bands == REPO_ROOT / checked.target.bands
+    assert checked.sizes == (REPO_ROOT / checked.target.sizes if checked.target.sizes else None)
 
 
 def test_every_gate_sizes_file_belongs_to_a_profile_that_declares_it():
     """gates/config-<profile>.toml used to be found by file name; each is now named by its profile's [gate]."""
-    declared = {gate_sizes(name) for name in available_profiles()} - {None}
+    declared = {checked_target(name).sizes for name in available_profiles()} - {None}
     on_disk = {p for p in (REPO_ROOT / "gates").glob("config-*.toml") if p.name != "config-production.toml"}
     assert on_disk == declared
 
@@ -127,3 +130,27 @@ def test_the_gate_models_are_launch_providers_one_registry():
     from engine.launcher import MODEL_PROVIDERS, default_providers
 
     assert set(MODEL_PROVIDERS) <= set(default_providers())
+
+
+def test_profiles_sharing_a_target_are_checked_once_and_resolved_without_a_second_check(monkeypatch):
+    import engine.target
+
+    profiles, checked = one_gate_target(["vllm-cpu-fp32", "vllm-cpu-bf16"])
+    assert [p.name for p in profiles] == ["vllm-cpu-fp32", "vllm-cpu-bf16"]
+    assert isinstance(checked, CheckedTarget) and checked.profile is profiles[0]
+    assert checked.target == DEFAULT_GATE_TARGET and checked.bands == REPO_ROOT / "gates/bands.toml"
+    # resolving what was checked checks nothing again: the check is not reached
+    monkeypatch.setattr(engine.target, "checked_target", lambda *a: pytest.fail("checked twice"))
+    t = resolve_gate_target(checked, encode=False)
+    assert (t.profile, t.target, t.bands, t.sizes, t.encoded) == ("vllm-cpu-fp32", checked.target, checked.bands,
+                                                                  None, None)
+    assert t.oracle_kind.name == "transformers"
+
+
+def test_profiles_on_different_targets_are_refused_naming_each(tmp_path):
+    with pytest.raises(ProfileError, match=r"are gated on different targets \(vllm-cpu-fp32: model_hf_dir on "
+                                           r"default \(transformers\), vllm-cpu-dsv4: dsv4_tiny_dir on dsv4-ci "
+                                           r"\(deepseek\)\)"):
+        one_gate_target(["vllm-cpu-fp32", "vllm-cpu-dsv4"])
+    with pytest.raises(ProfileError, match="no engine profile given"):
+        one_gate_target([])
