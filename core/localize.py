@@ -137,23 +137,31 @@ def position_distances(test: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, n
     return rel, cos, scale
 
 
-def kl_per_position(test_logits: np.ndarray, ref_logits: np.ndarray) -> np.ndarray:
-    """KL(softmax(ref) || softmax(test)) per position, in nats (float64; >= 0 up to rounding, clipped there)."""
-    t = np.asarray(test_logits, dtype=np.float64)
-    r = np.asarray(ref_logits, dtype=np.float64)
-    if t.shape != r.shape or t.ndim != 2:
-        raise LocalizeError(f"logits shapes {t.shape} and {r.shape}: expected two equal [positions, vocab] arrays")
-    if not (np.isfinite(t).all() and np.isfinite(r).all()):
-        out = np.zeros(len(t))
-        out[~np.isfinite(t).all(axis=1) | ~np.isfinite(r).all(axis=1)] = np.inf
-        return out
+KL_ROWS = 64     # logits rows converted to float64 at a time: [64, vocab] temporaries, not [n, vocab] (a 2,300-token
+#                  prompt's float64 copies of DeepSeek's 129,280-wide logits would be 2.4 GB each)
+
+
+def kl_per_position(test_logits: np.ndarray, ref_logits: np.ndarray, rows: int = KL_ROWS) -> np.ndarray:
+    """KL(softmax(ref) || softmax(test)) per position, in nats (float64; >= 0 up to rounding, clipped there),
+    ``rows`` positions at a time (each row's KL is its own: the chunking changes no value)."""
+    if test_logits.shape != ref_logits.shape or len(test_logits.shape) != 2:
+        raise LocalizeError(f"logits shapes {tuple(test_logits.shape)} and {tuple(ref_logits.shape)}: expected two "
+                            "equal [positions, vocab] arrays")
 
     def log_softmax(x):
         x = x - x.max(axis=1, keepdims=True)
         return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
-    lr, lt = log_softmax(r), log_softmax(t)
-    return np.maximum(np.sum(np.exp(lr) * (lr - lt), axis=1), 0.0)
+    out = np.zeros(test_logits.shape[0])
+    for start in range(0, test_logits.shape[0], max(int(rows), 1)):
+        t = np.asarray(test_logits[start:start + rows], dtype=np.float64)
+        r = np.asarray(ref_logits[start:start + rows], dtype=np.float64)
+        bad = ~np.isfinite(t).all(axis=1) | ~np.isfinite(r).all(axis=1)
+        t, r = np.where(bad[:, None], 0.0, t), np.where(bad[:, None], 0.0, r)
+        lr, lt = log_softmax(r), log_softmax(t)
+        kl = np.maximum(np.sum(np.exp(lr) * (lr - lt), axis=1), 0.0)
+        out[start:start + len(kl)] = np.where(bad, np.inf, kl)
+    return out
 
 
 def set_distances(test: np.ndarray, ref: np.ndarray) -> np.ndarray:

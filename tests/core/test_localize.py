@@ -78,6 +78,18 @@ def test_logits_compare_as_distributions_and_index_sets_as_sets():
     want = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)     # KL(ref || test), by hand
     kl = kl_per_position(test + 7.0, ref)                           # a shift of the logits is no change
     assert kl[0] == pytest.approx(0.0, abs=1e-15) and kl[1] == pytest.approx(want, rel=1e-12)
+    # in row chunks (the memory bound for long prompts): every row the same as an independent computation
+    from scipy.special import log_softmax as lsm
+
+    rng = np.random.default_rng(4)
+    r, t = rng.normal(size=(11, 50)) * 3, rng.normal(size=(11, 50)) * 3
+    t[6, 2] = np.inf
+    lr, lt = lsm(r, axis=1), lsm(np.where(np.isfinite(t), t, 0.0), axis=1)   # row 6 is not compared
+    want_rows = np.sum(np.exp(lr) * (lr - lt), axis=1)
+    for rows in (1, 4, 64):
+        got = kl_per_position(t.astype(np.float32), r.astype(np.float32), rows=rows)
+        assert got[6] == np.inf and np.isfinite(np.delete(got, 6)).all()
+        np.testing.assert_allclose(np.delete(got, 6), np.delete(want_rows, 6), rtol=1e-5)
     sets = set_distances(np.array([[1, 2, 3], [4, 5, -1]]), np.array([[3, 2, 1], [4, 6, -1]]))
     assert sets.tolist() == [0.0, pytest.approx(1 - 1 / 3)]
 
