@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from core.console import echo
 from core.paths import cache_dir, claim_results_dir, fresh_results_dir, safe_name
 from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
@@ -18,12 +19,6 @@ from oracle.kinds import long_context_kinds, oracle_kind
 
 DEFAULT_PANEL = "default"
 ORACLE_TOP_K = 256
-
-
-def _echo(msg: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[bold cyan]ds41[/] {msg}", highlight=False)
 
 
 # ----------------------------------------------------------------------------- panel and reference
@@ -61,7 +56,7 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
     path = reference_path(encoded, identity.value, top_k, oracle=kind.name, precision=precision)
     if path.exists():
         return _cached_reference(path, encoded, "oracle reference"), path
-    _echo(f"building the {precision} {kind.name} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
+    echo(f"building the {precision} {kind.name} oracle reference for {encoded.panel_name}@{encoded.panel_version} "
           f"({len(encoded.sequences)} sequences) …")
     partial = path.with_suffix(".partial.d")  # per-sequence / per-layer checkpoints: a killed run resumes here
     # one thread: on a shared 2-core box two threads were 14x slower than one (docs/RELIABILITY.md)
@@ -70,7 +65,7 @@ def ensure_reference(encoded, model_dir: Path, top_k: int = ORACLE_TOP_K,
     import shutil
 
     shutil.rmtree(partial, ignore_errors=True)  # only for resuming an interrupted run
-    _echo(f"oracle reference written: {path}")
+    echo(f"oracle reference written: {path}")
     return ref, path
 
 
@@ -83,7 +78,7 @@ def _cached_reference(path: Path, encoded, label: str) -> Record:
         raise RecordError(f"{exc} — this is the cached oracle reference; delete it to rebuild: rm {path}") from None
     if ref.provenance.panel_hash != encoded.panel_hash or ref.provenance.tokenizer_hash != encoded.tokenizer_hash:
         raise RecordMismatch(f"{path}: cached reference does not match panel/tokenizer; delete it to rebuild")
-    _echo(f"{label} (cached): {path}")
+    echo(f"{label} (cached): {path}")
     return ref
 
 
@@ -99,12 +94,12 @@ def ensure_long_reference(encoded, model_dir: Path, precision: str = "fp32", top
     path = reference_path(encoded, identity.value, top_k, oracle=f"{kind.name}-long", precision=precision)
     if path.exists():
         return _cached_reference(path, encoded, "long-context oracle reference"), path
-    _echo(f"building the {precision} long-context {kind.name} oracle reference for {encoded.panel_name}@"
+    echo(f"building the {precision} long-context {kind.name} oracle reference for {encoded.panel_name}@"
           f"{encoded.panel_version} ({len(encoded.sequences)} sequences) …")
     # one thread, as ensure_reference (a shared 2-core box)
     ref = kind.long_reference(identity, encoded, path, path.with_suffix(".partial.d"), precision=precision,
                               top_k=top_k, threads=1)
-    _echo(f"long-context oracle reference written: {path}")
+    echo(f"long-context oracle reference written: {path}")
     return ref, path
 
 

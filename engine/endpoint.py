@@ -11,18 +11,16 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
+from core.console import echo
 from core.records import Record
+
+if TYPE_CHECKING:
+    from engine.profiles import Profile
 
 DEFAULT_PROFILE = "vllm-cpu-fp32"
 DEFAULT_ENGINE_K = 20
-
-
-def _echo(msg: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[bold cyan]ds41[/] {msg}", highlight=False)
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ def score_engine(endpoint: EngineEndpoint, encoded, k: int = DEFAULT_ENGINE_K, s
             kept = tuple(s for s in encoded.sequences if s.seq_id not in excluded)
             if not kept:
                 raise ValueError(f"engine {endpoint.profile}: no panel sequence survives its text tokenizer")
-            _echo(f"{endpoint.profile}: {len(excluded)} of {len(encoded.sequences)} sequences cannot be sent "
+            echo(f"{endpoint.profile}: {len(excluded)} of {len(encoded.sequences)} sequences cannot be sent "
                   f"as text with their exact ids; scoring the other {len(kept)}")
             encoded = _dc.replace(encoded, sequences=kept)
         rec = score_panel(client, encoded, k, source, max_concurrency=1, stats=stats)
@@ -156,19 +154,20 @@ def model_vocab_size(model_dir: str | os.PathLike) -> int:
 
 
 def endpoint_for_server(server, profile, model_dir: str | os.PathLike, flags=()) -> EngineEndpoint:
-    """The endpoint of a server started from a profile that serves the model in `model_dir`."""
+    """The endpoint of a server started from `profile` (the typed Profile it was started with) that serves the
+    model in `model_dir`."""
     return EngineEndpoint(server.base_url, server.served_model, profile.name, engine=profile.engine,
                           flags=tuple(flags), precision=precision_of(profile),
                           vocab_size=model_vocab_size(model_dir), tokenizer_dir=str(model_dir),
                           api_key=getattr(server, "api_key", None))
 
 
-def launch_endpoint(profile_name: str, model_dir: str | os.PathLike, flags=(), overrides=None, echo=None):
-    """Start a server from a profile; returns (server, endpoint). The caller stops the server.
-    `echo(line)` receives the launcher's progress (default: stderr)."""
+def launch_endpoint(profile: str | os.PathLike | Profile, model_dir: str | os.PathLike, flags=(), overrides=None,
+                    echo=None):
+    """Start a server from a profile (its name, file, or the typed Profile already parsed: carried, not parsed
+    again); returns (server, endpoint). The caller stops the server. `echo(line)` receives the launcher's
+    progress (default: stderr)."""
     from engine.launcher import EngineServer
-    from engine.profiles import load_profile
 
-    prof = load_profile(profile_name)
-    server = EngineServer(prof, overrides=overrides, flags=flags, echo=echo).start()
-    return server, endpoint_for_server(server, prof, model_dir, flags)
+    server = EngineServer(profile, overrides=overrides, flags=flags, echo=echo).start()
+    return server, endpoint_for_server(server, server.profile, model_dir, flags)
