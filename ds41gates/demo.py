@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-from core.paths import check_results_dir, release_results_dir
-from core.results import FILE_NAME as RESULTS_FILE
 from core.results import GateEntry, GateResults, headline
+from core.results_folder import ResultsFolder
 from core.verdicts import judge
 from ds41gates import pipeline
 from engine.endpoint import (
@@ -37,16 +36,16 @@ def demo_app(
     from rich.table import Table
 
     from engine.launcher import EngineServer
-    from engine.target import one_gate_target, resolve_gate_target
+    from engine.target import one_gate_target
 
-    profiles, _ = one_gate_target(profile)   # one reference for every engine; names and files only: no work yet
+    profiles, checked = one_gate_target(profile)   # one reference for every engine; names and files only: no work yet
     console = Console()
-    check_results_dir(out, replace=replace_results, option="--out")   # refused now, before any work
-    target = resolve_gate_target(profiles[0], panel)
+    ResultsFolder.check(out, replace=replace_results, option="--out")   # refused now, before any work
+    target = checked.resolve(panel)
     encoded, model_dir = target.encoded, target.model_dir
     # the inputs are resolved before the folder is claimed: a bad panel or model never costs --replace-results
     # the earlier run; the claim is this run's lock on the folder until the demo ends
-    out_dir = pipeline.results_dir(out, replace=replace_results, option="--out")
+    folder = ResultsFolder.claim_or_fresh(out, replace=replace_results, option="--out")
     try:
         ref, ref_path = pipeline.ensure_reference(encoded, model_dir, oracle=target.oracle,
                                                   precision=target.precision)
@@ -55,15 +54,15 @@ def demo_app(
         for prof in profiles:
             with EngineServer(prof) as server:
                 eng = score_engine(endpoint_for_server(server, prof, model_dir), encoded, k)
-            eng.save(out_dir / f"engine-{prof.name}.safetensors")
+            folder.save_engine_record(prof.name, eng)
             _, gate = judge(ref, eng, prof.name, prof.name, target.bands)
             engines.append((prof.name, eng))
             gates.append(gate)
             results = results.with_gate(GateEntry("kl_panel", gate.passed, profile=prof.name, failures=gate.failures,
                                                   metrics=headline(gate.summary)))
-            results.save(out_dir / RESULTS_FILE)   # after every engine, as the gate suite: a crash keeps the verdicts
+            folder.write_results(results)   # after every engine, as the gate suite: a crash keeps the verdicts
 
-        paths = pipeline.write_report(ref, engines, out_dir, gates)
+        paths = pipeline.write_report(ref, engines, folder.path, gates)
         table = Table(title=f"KL panel gate · {encoded.panel_name}@{encoded.panel_version} · "
                             f"{ref.n_positions} positions")
         for col in ("engine", "verdict", "KL_part mean", "KL_part macro", "top-1", "PPL ratio"):
@@ -82,4 +81,4 @@ def demo_app(
         if not all(g.passed for g in gates):
             raise typer.Exit(1)
     finally:
-        release_results_dir(out_dir)
+        folder.release()

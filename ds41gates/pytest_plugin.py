@@ -5,9 +5,11 @@ flag, profile or results folder is a usage error before any engine starts), make
 in ``config.stash[SESSION]`` and registers it as a plugin, so its hooks (outcomes, timings, the report, the
 terminal summary) are methods of the object that holds the state. Fixtures are thin: they read the session.
 
-The gates write `GateRun`: what they measured (the reference, engine records, panel verdicts) and the typed
-`core.results.GateResults` (format `ds41-results/1`), rewritten to results.json after every gate so a run killed
-later keeps what it measured. Heavy floors (the engine, the oracle, the pipeline) are imported inside the fixtures
+The profile under test is parsed once, at configure, into the typed `engine.profiles.Profile` the session carries;
+the results folder is claimed once, at configure (or made on first use), as the `core.results_folder.ResultsFolder`
+that names and writes every file of the run. The gates write through the one `gate_run` fixture (`GateRun`): what
+they measured (the reference, engine records, panel verdicts) and the typed `core.results.GateResults` (format
+`ds41-results/1`), rewritten to results.json after every gate so a run killed later keeps what it measured. Heavy floors (the engine, the oracle, the pipeline) are imported inside the fixtures
 that use them: this plugin is loaded by every pytest run of the project, most of which never start an engine.
 """
 
@@ -20,14 +22,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from core.errors import UserError, one_line
 from core.redact import redact, register_url_credentials
 from core.results import (
-    FILE_NAME,
     FlagGateVerdict,
     GateEntry,
     GateOutcome,
@@ -35,6 +36,10 @@ from core.results import (
     GateTimings,
     ReportSection,
 )
+from core.results_folder import PerPrompt, ResultsFolder
+
+if TYPE_CHECKING:
+    from engine.profiles import Profile
 
 MARKERS = {
     "gate": "the gate suite (pytest -m gate)",
@@ -84,10 +89,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _refuse_fault_injector()
     _gate_suite_by_default(config)
     _check_requested_flags(config)
-    _check_engine_profile(config)
-    _check_engine_flags(config)
+    profile = _engine_profile(config)
+    _check_engine_flags(config, profile)
     reference = _check_reference(config)   # inputs first: a bad one stops the run before its folder is touched
-    session = GateSession(config, GateOptions.of(config), claimed_dir=_claim_results(config))
+    session = GateSession(config, GateOptions.of(config), profile, claimed=_claim_results(config))
     session.checked_reference = reference
     config.stash[SESSION] = session
     config.pluginmanager.register(session, "ds41-gates-session")
@@ -101,20 +106,31 @@ def session_of(config: pytest.Config) -> GateSession:
 
 @dataclasses.dataclass
 class GateRun:
-    """What this session's gates measured. ``results`` is the typed results.json, rewritten after every change
-    (crash-safe); the records, verdict objects and plots stay in memory for the session report."""
+    """What this session's gates measured, and where its files go (``folder``). ``results`` is the typed
+    results.json, rewritten after every change (crash-safe); the records, verdict objects and plots stay in memory
+    for the session report."""
 
-    out_dir: Path
+    folder: ResultsFolder
     results: GateResults = dataclasses.field(default_factory=GateResults)
     engines: list = dataclasses.field(default_factory=list)        # (label, Record)
     reference: Any = None
     panel_gates: list = dataclasses.field(default_factory=list)    # core.verdicts.PanelGateResult
     plots: dict[str, str] = dataclasses.field(default_factory=dict)  # report figures (the localizer's)
-    coverages: list = dataclasses.field(default_factory=list)      # (reference name, core.coverage.Coverage | None)
+    coverages: list = dataclasses.field(default_factory=list)      # ds41gates.coverage.ScoredReference
+
+    @property
+    def out_dir(self) -> Path:
+        """The folder's path, for ds41gates/localize_plugin.py until it names its files through ``folder``."""
+        return self.folder.path
+
+    def save_engine_record(self, label: str, record) -> None:
+        """An engine record this session scored: beside the results, and counted for the session report."""
+        self.folder.save_engine_record(label, record)
+        self.engines.append((label, record))
 
     def _save(self, results: GateResults) -> None:
         self.results = results
-        results.save(self.out_dir / FILE_NAME)
+        self.folder.write_results(results)
 
     def add(self, entry: GateEntry) -> None:
         self._save(self.results.with_gate(entry))
@@ -125,12 +141,12 @@ class GateRun:
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self._save(self.results.with_section(ReportSection(title, rows, note)))
 
-    def add_coverage(self, source: str, reference) -> None:
-        """Count an oracle reference's scored positions towards the session's mechanism coverage
-        (ds41gates/coverage.py; judged for the session's flags at its end)."""
+    def add_coverage(self, source: str, reference, arm: str | None = None) -> None:
+        """Count an oracle reference's scored positions towards the mechanism coverage of ``arm`` (None: the
+        session's engine; a flag's name: its A/B on-arm) (ds41gates/coverage.py; judged at the session's end)."""
         from ds41gates.coverage import add_reference
 
-        add_reference(self, source, reference)
+        add_reference(self, source, reference, arm)
 
     def mark(self, outcome: GateOutcome) -> None:
         """One gate's outcome (passed / failed / error / ...), in results.json the moment it is known."""
@@ -167,13 +183,16 @@ class GateOptions:
 
 
 class GateSession:
-    """One per pytest session: the options, the results folder and its GateRun (made on first use, so a project
-    test run that never touches a gate leaves no results folder), the report's paths, and the hooks that fill them."""
+    """One per pytest session: the options, the profile under test (parsed once: --engine-profile, else the
+    default), the results folder and its GateRun (made on first use, so a project test run that never touches a
+    gate leaves no results folder), the report's paths, and the hooks that fill them."""
 
-    def __init__(self, config: pytest.Config, options: GateOptions, claimed_dir: Path | None = None):
+    def __init__(self, config: pytest.Config, options: GateOptions, profile: Profile,
+                 claimed: ResultsFolder | None = None):
         self.config = config
         self.options = options
-        self._claimed_dir = claimed_dir
+        self.profile = profile
+        self._claimed = claimed
         self.checked_reference = None            # --reference, loaded and checked at configure time
         self._run: GateRun | None = None
         self.report_paths = None                 # reports.render's paths once the session report is written
@@ -185,10 +204,30 @@ class GateSession:
     @property
     def run(self) -> GateRun:
         if self._run is None:
-            from ds41gates.pipeline import results_dir
-
-            self._run = GateRun(out_dir=self._claimed_dir or results_dir(None))
+            self._run = GateRun(self._claimed or ResultsFolder.fresh())
         return self._run
+
+    @property
+    def gated_profile(self) -> Profile | None:
+        """The profile whose [gate] table says what the run is gated on; None when no --engine-profile was given
+        (the embedded default target, engine.target)."""
+        return self.profile if self.options.engine_profile else None
+
+    def profile_named(self, name: str) -> Profile:
+        """The session's profile when `name` is it (parsed once), else the profile of that name parsed now."""
+        if name == self.profile.name:
+            return self.profile
+        from engine.profiles import load_profile
+
+        return load_profile(name)
+
+    @functools.cached_property
+    def default_profile(self) -> Profile:
+        """The embedded default's profile (its served model names the SmolLM2 reference), parsed once."""
+        from engine.endpoint import DEFAULT_PROFILE
+        from engine.profiles import load_profile
+
+        return self.profile if self.profile.name == DEFAULT_PROFILE else load_profile(DEFAULT_PROFILE)
 
     @property
     def started_run(self) -> GateRun | None:
@@ -249,7 +288,7 @@ class GateSession:
             except Exception as exc:  # noqa: BLE001 - the summary still names results.json and the errored gates
                 terminalreporter.write_line(f"ds41-gates: report could not be written: {exc!r}")
             terminalreporter.section("ds41-gates")
-            terminalreporter.write_line(f"results: {run.out_dir / FILE_NAME}")
+            terminalreporter.write_line(f"results: {run.folder.results_file}")
             if self.report_paths is not None:
                 terminalreporter.write_line(f"report:  {self.report_paths.html}")
             else:
@@ -262,30 +301,24 @@ class GateSession:
                 terminalreporter.write_line(line)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        from core.paths import release_results_dir
-
         run = self._run
         try:
-            if run is None or run.reference is None or not run.engines or not self.options.per_prompt_metrics:
-                return
-            from core.atomic import write_json_atomic
-            from nightly.runner import per_prompt_metrics
-
-            write_json_atomic(run.out_dir / "per_prompt.json", per_prompt_metrics(run.reference, run.engines))
+            if run is not None and run.reference is not None and run.engines and self.options.per_prompt_metrics:
+                run.folder.write_per_prompt(PerPrompt.of(run.reference, run.engines))
         finally:   # the folder's run lock is held until this run has written its last file
-            for folder in {run.out_dir if run is not None else None, self._claimed_dir} - {None}:
-                release_results_dir(folder)
+            for folder in {run.folder if run is not None else None, self._claimed} - {None}:
+                folder.release()
 
     def _judge_coverage(self) -> None:
         """The coverage rule (ds41gates/coverage.py): every flag this session is about, against the mechanisms
         its scored positions reached; a NOT EXERCISED flag fails its flag_coverage entry (never PASS)."""
-        flags = (*self.options.engine_flags, *self.config.getoption("--flag"))
-        if self._run is None or not (self._run.coverages or flags):
+        engine_flags, ab_flags = tuple(self.options.engine_flags), tuple(self.config.getoption("--flag"))
+        if self._run is None or not (self._run.coverages or engine_flags or ab_flags):
             return
         from ds41gates.coverage import judge_session
         from nightly.flags import load_registry
 
-        judge_session(self._run, load_registry(self.config.getoption("--flag-registry")), flags,
+        judge_session(self._run, load_registry(self.config.getoption("--flag-registry")), engine_flags, ab_flags,
                       self.options.engine_profile or "")
 
     # -------------------------------------------------------------------------------------------- outcomes, report
@@ -325,7 +358,7 @@ class GateSession:
             sections[OUTCOMES_TITLE] = _outcomes_section(run.results)
         if run.results.flags_seen():   # rebuilt at the end: a flag gate that errored after the last verdict is named
             sections.update(_flag_ab_section(run.results, self.config))
-        self.report_paths = write_report(run.reference, run.engines, run.out_dir, run.panel_gates, sections,
+        self.report_paths = write_report(run.reference, run.engines, run.folder.path, run.panel_gates, sections,
                                          plots=run.plots, errored=[o.gate for o in run.results.errored()],
                                          coverage=run.results.coverage)
 
@@ -411,7 +444,7 @@ def _check_reference(config: pytest.Config):
     return ref
 
 
-def _claim_results(config: pytest.Config) -> Path | None:
+def _claim_results(config: pytest.Config) -> ResultsFolder | None:
     """--results is claimed at configure time, after the run's inputs are checked and before any gate or engine
     runs: a folder holding another run is a usage error (unless --replace-results, which clears it now, and
     only when an earlier run's marker is in it), and the folder is locked for this run, so this run's
@@ -420,23 +453,20 @@ def _claim_results(config: pytest.Config) -> Path | None:
     given = config.getoption("--results")
     if not given:
         return None
-    from ds41gates.pipeline import results_dir
-
     try:
-        return results_dir(given, replace=config.getoption("--replace-results"))
+        return ResultsFolder.claim(given, replace=config.getoption("--replace-results"))
     except UserError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _check_engine_profile(config: pytest.Config) -> None:
-    """--engine-profile loads (its name is checked: it becomes the engine record's file name) before any gate."""
-    name = config.getoption("--engine-profile")
-    if not name:
-        return
-    from engine.launcher import ProfileError, load_profile
+def _engine_profile(config: pytest.Config) -> Profile:
+    """The profile under test, parsed once here (its name is checked: it becomes the engine record's file name):
+    --engine-profile, else the default profile; a bad one is a usage error before any gate."""
+    from engine.endpoint import DEFAULT_PROFILE
+    from engine.profiles import ProfileError, load_profile
 
     try:
-        load_profile(name)
+        return load_profile(config.getoption("--engine-profile") or DEFAULT_PROFILE)
     except ProfileError as exc:
         raise pytest.UsageError(f"--engine-profile: {exc}") from None
 
@@ -453,23 +483,13 @@ def _refuse_fault_injector() -> None:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _check_engine_flags(config: pytest.Config) -> None:
+def _check_engine_flags(config: pytest.Config, profile: Profile) -> None:
     """An --engine-flag the profile does not define is a usage error now, before any server starts."""
-    flags = config.getoption("--engine-flag")
-    if not flags:
-        return
-    from engine.endpoint import DEFAULT_PROFILE
-    from engine.launcher import ProfileError, load_profile
-
-    name = config.getoption("--engine-profile") or DEFAULT_PROFILE
-    try:
-        defined = load_profile(name).flags
-    except ProfileError as exc:
-        raise pytest.UsageError(f"--engine-profile: {exc}") from None
-    unknown = [f for f in dict.fromkeys(flags) if f not in defined]
+    unknown = [f for f in dict.fromkeys(config.getoption("--engine-flag")) if f not in profile.flags]
     if unknown:
+        name = config.getoption("--engine-profile") or profile.name
         raise pytest.UsageError(f"--engine-flag: profile {name!r} has no flag(s) {unknown}; it defines "
-                                f"{sorted(defined)}")
+                                f"{sorted(profile.flags)}")
 
 
 def _check_requested_flags(config: pytest.Config) -> None:
@@ -548,7 +568,7 @@ def gate_target(gate_session: GateSession):
 
     opts = gate_session.options
     try:
-        return resolve_gate_target(opts.engine_profile, opts.panel)
+        return resolve_gate_target(gate_session.gated_profile, opts.panel)
     except UserError as exc:
         _stop_for_user_error(f"--engine-profile {opts.engine_profile}: {exc}")
 
@@ -588,7 +608,7 @@ def panel_reference(gate_session: GateSession, request: pytest.FixtureRequest):
             _stop_for_user_error(f"--reference {opts.reference}: is an {ref.provenance.side} record; the reference "
                                  "must be an oracle record (ds41gate oracle run, or the cached fp32 reference)")
     else:
-        if opts.engine_url and serves_embedded_default(opts.engine_profile):
+        if opts.engine_url and serves_embedded_default(gate_session.gated_profile):
             _require_default_model(gate_session, opts.engine_url)   # before minutes of building a reference
         target = request.getfixturevalue("gate_target")
         ref, _ = pipeline.ensure_reference(target.encoded, target.model_dir, oracle=target.oracle,
@@ -623,32 +643,34 @@ def encoded_panel(panel_reference):
 def launch_engine(gate_session: GateSession):
     """`launch_engine(profile, flags=(), overrides=None)` → (server, endpoint): for gates that need a second
     server beside the one under test (speculation on, a flag flipped). The caller stops the server."""
-    return functools.partial(_launch_endpoint, echo=gate_session.launcher_echo)
+    def launch(profile: str, flags=(), overrides=None):
+        return _launch_endpoint(gate_session.profile_named(profile), flags=flags, overrides=overrides,
+                                echo=gate_session.launcher_echo)
+
+    return launch
 
 
 @pytest.fixture(scope="session")
 def engine_endpoint(gate_session: GateSession):
-    """The engine under test: --engine-url (already running), else the --engine-profile launched here."""
-    from engine.endpoint import DEFAULT_PROFILE, EngineEndpoint
+    """The engine under test: --engine-url (already running), else the session's profile launched here."""
+    from engine.endpoint import EngineEndpoint
 
     opts = gate_session.options
     if opts.engine_url:
-        from engine.launcher import load_profile
         from engine.target import serves_embedded_default
 
         register_url_credentials(opts.engine_url)
         root = opts.engine_url.rstrip("/").removesuffix("/v1")
         key = os.environ.get("DS41_ENGINE_API_KEY")   # the same key client_for sends (key-protected servers)
         models = _served_models(opts.engine_url, root, key)
-        if not opts.reference and serves_embedded_default(opts.engine_profile):
+        if not opts.reference and serves_embedded_default(gate_session.gated_profile):
             _require_default_model(gate_session, opts.engine_url, models)
         kind, label = "vllm", "default"
-        if opts.engine_profile:
-            prof = load_profile(opts.engine_profile)   # a path (../x.toml) labels the record by the profile's name
-            kind, label = prof.engine or kind, prof.name
+        if opts.engine_profile:   # a path (../x.toml) labels the record by the profile's name
+            kind, label = gate_session.profile.engine or kind, gate_session.profile.name
         yield EngineEndpoint(root, models[0], label, engine=kind, flags=opts.engine_flags)
         return
-    server, endpoint = _launch_endpoint(opts.engine_profile or DEFAULT_PROFILE, flags=opts.engine_flags,
+    server, endpoint = _launch_endpoint(gate_session.profile, flags=opts.engine_flags,
                                         echo=gate_session.launcher_echo)
     try:
         yield endpoint
@@ -668,13 +690,11 @@ def engine_client(engine_endpoint):
 @pytest.fixture(scope="session")
 def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
     """The engine's record of the panel positions, saved beside the results."""
-    from core.paths import safe_name
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
-    label = safe_name(engine_endpoint.profile, "engine label")   # becomes a file name in the results folder
+    gate_run.folder.engine_record_file(engine_endpoint.profile)   # a label unfit for a file name: refused first
     rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
-    rec.save(gate_run.out_dir / f"engine-{label}.safetensors")
-    gate_run.engines.append((engine_endpoint.profile, rec))
+    gate_run.save_engine_record(engine_endpoint.profile, rec)
     if gate_run.reference is not None:   # the positions scored are the reference's: what they reached counts
         from ds41gates.coverage import add_reference
 
@@ -685,14 +705,16 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
 
 # ------------------------------------------------------------------------------------------------ fixture helpers
 
-def _launch_endpoint(profile_name: str, flags=(), overrides=None, echo=None):
-    """Start a server from a shipped profile, serving its gate target's model (the embedded default unless its
-    [gate] table names another)."""
-    from engine import endpoint
+def _launch_endpoint(profile: Profile, flags=(), overrides=None, echo=None):
+    """Start a server from a parsed profile, serving its gate target's model (the embedded default unless its
+    [gate] table names another); (server, endpoint), the caller stops the server."""
+    from engine.endpoint import endpoint_for_server
+    from engine.launcher import EngineServer
     from engine.target import resolve_gate_target
 
-    model_dir = resolve_gate_target(profile_name, encode=False).model_dir
-    return endpoint.launch_endpoint(profile_name, model_dir, flags=flags, overrides=overrides, echo=echo)
+    model_dir = resolve_gate_target(profile, encode=False).model_dir
+    server = EngineServer(profile, overrides=overrides, flags=flags, echo=echo).start()
+    return server, endpoint_for_server(server, profile, model_dir, flags)
 
 
 def _stop_for_user_error(message: str):
@@ -701,47 +723,60 @@ def _stop_for_user_error(message: str):
 
 
 def _served_models(url: str, root: str, key: str | None) -> list[str]:
-    """The model ids `/v1/models` lists; anything but an OpenAI model list is a user error naming the URL. Asked
-    through the engine client, so this first request has the gates' guards too: no redirect to another origin,
-    a capped uncompressed body, a total deadline."""
+    """The model ids `/v1/models` lists (`EngineClient.models`, so this first request has the gates' guards too:
+    no redirect to another origin, a capped uncompressed body, a total deadline); anything but an OpenAI model
+    list stops the run with one line naming the URL."""
     from engine.client import MAX_MODEL_NAME, ClientConfig, EngineClient, RetryPolicy
-    from engine.errors import EngineError, EngineRequestRejected, EngineTransportError
+    from engine.errors import (
+        EngineError,
+        EngineLimitExceeded,
+        EngineRequestRejected,
+        EngineResponseError,
+        EngineTransportError,
+        Malformed,
+    )
 
     client = EngineClient(ClientConfig(root, "", api_key=key or "unused", timeout_s=30,
                                        retry=RetryPolicy(max_attempts=1), max_body_bytes=4 << 20))
     try:
-        resp = client.get("/v1/models")
+        models = client.models()
     except (EngineRequestRejected, EngineTransportError) as exc:
         if exc.status is None:
             _stop_for_user_error(f"--engine-url {url}: no engine answers at {root}/v1/models ({exc})")
         hint = " (set DS41_ENGINE_API_KEY to the server's key)" if exc.status in (401, 403) else ""
         _stop_for_user_error(f"--engine-url {url}: {root}/v1/models answered HTTP {exc.status}{hint}")
+    except EngineLimitExceeded as exc:
+        if exc.what.startswith("model name"):
+            _stop_for_user_error(f"--engine-url {url}: /v1/models lists a model name over {MAX_MODEL_NAME} characters")
+        _stop_for_user_error(f"--engine-url {url}: {exc}")
+    except EngineResponseError as exc:
+        if exc.kind in (Malformed.INVALID_JSON, Malformed.EMPTY_BODY):
+            # the content type is what tells a user they reached a web page, not an engine; the client's error
+            # does not carry the header, so it is asked for once more, on this failure only
+            kind = _content_type(client, "/v1/models")
+            _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
+                                 f"{kind!r}); is this an OpenAI-compatible server?")
+        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
+                             '({"data": [{"id": ...}, ...]})')
     except EngineError as exc:
         _stop_for_user_error(f"--engine-url {url}: {exc}")
     finally:
         client.close()
-    try:
-        listing = resp.json()
-    except ValueError:
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models did not answer JSON (content-type "
-                             f"{resp.headers.get('content-type', '?')!r}); is this an OpenAI-compatible server?")
-    data = listing.get("data") if isinstance(listing, dict) else None
-    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
-        _stop_for_user_error(f"--engine-url {url}: {root}/v1/models is not an OpenAI model list "
-                             '({"data": [{"id": ...}, ...]})')
-    if not data:
+    if not models:
         _stop_for_user_error(f"--engine-url {url}: /v1/models lists no model")
-    if any(len(m["id"]) > MAX_MODEL_NAME for m in data):
-        _stop_for_user_error(f"--engine-url {url}: /v1/models lists a model name over {MAX_MODEL_NAME} characters")
-    return [m["id"] for m in data]
+    return models
+
+
+def _content_type(client, path: str) -> str:
+    try:
+        return client.get(path).headers.get("content-type", "?")
+    except Exception:  # noqa: BLE001 - only a message detail: the run stops on the first answer either way
+        return "?"
 
 
 def _require_default_model(session: GateSession, url: str, models: list[str] | None = None) -> None:
     """Without --reference the embedded SmolLM2 reference is used: say so, and refuse an engine serving
     another model."""
-    from engine.endpoint import DEFAULT_PROFILE
-    from engine.launcher import load_profile
-
     if not session.default_reference_announced:
         session.default_reference_announced = True
         session.warn("--engine-url without --reference: gating against the embedded SmolLM2 reference of the "
@@ -750,7 +785,7 @@ def _require_default_model(session: GateSession, url: str, models: list[str] | N
     if models is None:
         root = url.rstrip("/").removesuffix("/v1")
         models = _served_models(url, root, os.environ.get("DS41_ENGINE_API_KEY"))
-    default_model = load_profile(DEFAULT_PROFILE).served_model
+    default_model = session.default_profile.served_model
     if default_model not in models:
         _stop_for_user_error(
             f"--engine-url {url} serves {models}, not the embedded default model {default_model!r} whose "

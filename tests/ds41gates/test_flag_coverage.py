@@ -12,6 +12,7 @@ from core.coverage import coverage_of, encode
 from core.flag_coverage import judge_flag, merge
 from core.records import Record
 from core.results import FlagCoverage, FlagGateVerdict, GateResults, ResultsError
+from core.results_folder import ResultsFolder
 from ds41gates import coverage as session_coverage
 from ds41gates.pipeline import write_report
 from ds41gates.pytest_plugin import GateRun
@@ -95,12 +96,13 @@ def test_a_short_run_leaves_a_long_context_flag_not_exercised_in_results_and_rep
     a reference past 2K where the indexer prunes exercises it."""
     reg = parse_registry(REGISTRY, "unit")
     short = _reference(60, lambda p: 0)
-    run = GateRun(out_dir=tmp_path)
+    run = GateRun(ResultsFolder.of(tmp_path))
     run.reference = short
     run.engines.append(("eng", short))
     run.add_flag_verdict("fused_indexer", "numerics", "", "p", FlagGateVerdict("kl_band", True, "within band"))
     session_coverage.add_reference(run, "short@1", short)
-    verdicts = session_coverage.judge_session(run, reg, ["fused_indexer", "plain", "unknown_flag"], profile="p")
+    verdicts = session_coverage.judge_session(run, reg, ab_flags=["fused_indexer", "plain", "unknown_flag"],
+                                              profile="p")
     assert [v.verdict for v in verdicts] == ["not exercised", "not declared", "not declared"]
 
     saved = GateResults.load(tmp_path)
@@ -127,14 +129,14 @@ def test_a_short_run_leaves_a_long_context_flag_not_exercised_in_results_and_rep
     assert "| indexer\\_pruning | 0/59 | 0/59 | 0/59 |" in md     # d0-128, last256 and total columns
     assert "| fused\\_indexer | NOT EXERCISED | indexer\\_pruning | indexer\\_pruning |" in md
 
-    # a long reference where the indexer prunes past 2,048 exercises the flag
+    # a long reference where the indexer prunes past 2,048, scored on the flag's on-arm, exercises the flag
     long = _reference(2200, lambda p: encode(["indexer_pruning"]) if p >= 2048 else 0)
-    run2 = GateRun(out_dir=tmp_path / "long")
+    run2 = GateRun(ResultsFolder.of(tmp_path / "long"))
     (tmp_path / "long").mkdir()
-    session_coverage.add_reference(run2, "short@1", short)
-    session_coverage.add_reference(run2, "long@1", long)
-    (v,) = session_coverage.judge_session(run2, reg, ["fused_indexer"])
-    assert v.verdict == "exercised" and v.sources == ("short@1", "long@1")
+    session_coverage.add_reference(run2, "short@1", short, arm="fused_indexer")
+    session_coverage.add_reference(run2, "long@1", long, arm="fused_indexer")
+    (v,) = session_coverage.judge_session(run2, reg, ab_flags=["fused_indexer"])
+    assert v.verdict == "exercised" and v.sources == ("short@1 (flag fused_indexer on)", "long@1 (flag fused_indexer on)")
     exercised = GateResults.load(tmp_path / "long")
     assert exercised.gate("flag_coverage").passed is True
     exercised = exercised.with_flag_verdict("fused_indexer", "numerics", "", "p", FlagGateVerdict("kl_band", True, "ok"))
@@ -142,3 +144,25 @@ def test_a_short_run_leaves_a_long_context_flag_not_exercised_in_results_and_rep
     table = run2.report_sections[session_coverage.COVERAGE_TITLE]["rows"]
     row = next(r for r in table if r["mechanism"] == "indexer_pruning")
     assert row["d2K-8K"] == "152/152" and row["d128-2K"] == "0/1920" and row["total"] == "152/2258"
+
+
+def test_an_ab_flag_counts_only_its_own_on_arm(tmp_path):
+    """The session's engine (flag off) scored long@1 past 2K and the flag's on-arm only the short panel: the
+    off-arm's depth does not vouch for the flag's code, so the A/B flag is NOT EXERCISED, naming the arm rule; the
+    same reference on the session's engine exercises an --engine-flag flag (its code ran there)."""
+    reg = parse_registry(REGISTRY, "unit")
+    short = _reference(60, lambda p: 0)
+    long = _reference(2200, lambda p: encode(["indexer_pruning"]) if p >= 2048 else 0)
+    run = GateRun(ResultsFolder.of(tmp_path))
+    session_coverage.add_reference(run, "long@1", long)                          # the session's engine
+    session_coverage.add_reference(run, "short@1", short, arm="fused_indexer")   # the flag's on-arm
+    (ab,) = session_coverage.judge_session(run, reg, ab_flags=["fused_indexer"])
+    assert ab.verdict == "not exercised" and ab.missing == ("indexer_pruning",)
+    assert ab.sources == ("short@1 (flag fused_indexer on)",) and "flag-on arm" in ab.why
+
+    run2 = GateRun(ResultsFolder.of(tmp_path / "engine-flag"))
+    (tmp_path / "engine-flag").mkdir()
+    session_coverage.add_reference(run2, "long@1", long)
+    session_coverage.add_reference(run2, "short@1", short, arm="fused_indexer")
+    (eng,) = session_coverage.judge_session(run2, reg, engine_flags=["fused_indexer"])
+    assert eng.verdict == "exercised" and eng.sources == ("long@1",)

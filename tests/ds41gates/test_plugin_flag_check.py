@@ -68,7 +68,13 @@ def test_engine_flag_check_accepts_a_defined_flag_and_refuses_it_for_another_pro
         def getoption(self, name):
             return self.options[name]
 
-    pytest_plugin._check_engine_flags(Config())          # a defined flag passes, a repeat is harmless
+    def check() -> None:      # as configure does: the profile parsed once, the flags checked against it
+        pytest_plugin._check_engine_flags(Config(), pytest_plugin._engine_profile(Config()))
+
+    check()          # a defined flag passes, a repeat is harmless
     Config.options["--engine-profile"] = "vllm-cpu-fp32"
     with pytest.raises(pytest.UsageError, match=r"profile 'vllm-cpu-fp32' has no flag\(s\) \['fp8_weights'\]"):
-        pytest_plugin._check_engine_flags(Config())
+        check()
+    Config.options["--engine-profile"] = None          # no profile given: the default's flags
+    with pytest.raises(pytest.UsageError, match=r"profile 'vllm-cpu-fp32' has no flag\(s\)"):
+        check()
