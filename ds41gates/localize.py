@@ -143,11 +143,18 @@ class _OnlyPrefill(Mapping):
     def __init__(self, acts: Mapping[str, Any]):
         self.acts = acts
         self._keys = [k for k in acts if k.startswith("prefill/")]
+        if callable(getattr(acts, "row_view", None)):     # the logits keep being read in row chunks
+            self.row_view = self._row_view
 
     def __getitem__(self, key: str):
         if key not in self._keys:
             raise KeyError(key)
         return self.acts[key]
+
+    def _row_view(self, key: str):
+        if key not in self._keys:
+            raise KeyError(key)
+        return self.acts.row_view(key)
 
     def __iter__(self):
         return iter(self._keys)

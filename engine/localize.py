@@ -131,8 +131,32 @@ def run_engine_captures(inv: EngineInvocation, prompt_ids: Sequence[int], cases:
     return report
 
 
+class RowView:
+    """One tensor of a safetensors file as rows read on demand: ``shape``, and ``view[a:b]`` -> those rows as a
+    float32 numpy array (only they are read). What the logits' KL is computed over, a chunk of rows at a time."""
+
+    def __init__(self, path: str, key: str):
+        from safetensors import safe_open
+
+        self.path, self.key = path, key
+        with safe_open(path, framework="pt") as f:
+            self.shape = tuple(f.get_slice(key).get_shape())
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice):
+        from safetensors import safe_open
+
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"{self.key}: rows are read as a contiguous slice, got {rows!r}")
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_slice(self.key)[rows].float().numpy()
+
+
 class LazyCaptures(Mapping):
-    """A capture file as a mapping key -> tensor, read one tensor at a time (memory: one site)."""
+    """A capture file as a mapping key -> tensor, read one tensor at a time (memory: one site); ``row_view(key)``
+    reads a tensor's rows on demand (the logits)."""
 
     def __init__(self, path: str | Path):
         from safetensors import safe_open
@@ -148,6 +172,11 @@ class LazyCaptures(Mapping):
             raise KeyError(key)
         with safe_open(self.path, framework="pt") as f:
             return f.get_tensor(key)
+
+    def row_view(self, key: str) -> RowView:
+        if key not in self._keys:
+            raise KeyError(key)
+        return RowView(self.path, key)
 
     def __iter__(self):
         return iter(self._keys)

@@ -302,3 +302,34 @@ def test_the_router_site_keeps_the_weights_beside_the_chosen_experts():
     assert set_distances(ids_b.numpy(), ids_a.numpy()).tolist() == [0.0, 0.0]      # the same sets
     d = position_distances(dense_b.numpy(), dense_a.numpy())[0]
     assert d[0] > 0.1 and d[1] == 0.0                                              # the weights moved at row 0
+
+
+def test_the_logits_are_compared_in_row_chunks_read_from_the_capture_file(tmp_path, monkeypatch):
+    """Memory bound for long prompts: the logits site ([n, vocab]) is never read whole from a capture file — its
+    KL is computed over RowView slices of at most KL_ROWS rows — and the distances are the ones the in-memory
+    arrays give."""
+    from safetensors.torch import save_file
+
+    from core.localize import KL_ROWS, localize_sites
+    from engine import localize as el
+
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 150, 300
+    ref = {"prefill/logits": torch.randn(n, vocab, generator=g), "prefill/L0.attn": torch.randn(n, 8, generator=g)}
+    sides = {"ref": ref, "floor": {k: v + 1e-4 * torch.randn(v.shape, generator=g) for k, v in ref.items()},
+             "test": {k: v + 1e-2 * torch.randn(v.shape, generator=g) for k, v in ref.items()}}
+    for name, acts in sides.items():
+        save_file(acts, str(tmp_path / f"{name}.safetensors"))
+    whole, sliced = [], []
+    real_get, real_rows = el.LazyCaptures.__getitem__, el.RowView.__getitem__
+    monkeypatch.setattr(el.LazyCaptures, "__getitem__", lambda self, k: (whole.append(k), real_get(self, k))[1])
+    monkeypatch.setattr(el.RowView, "__getitem__", lambda self, s: (sliced.append(min(s.stop, self.shape[0]) - s.start),
+                                                                         real_rows(self, s))[1])
+    lazy = [el.LazyCaptures(tmp_path / f"{name}.safetensors") for name in ("test", "ref", "floor")]
+    got, _, _ = localize_sites(*lazy, to_numpy=lambda t: t.numpy())
+    want, _, _ = localize_sites(*({k: v.numpy() for k, v in sides[s].items()} for s in ("test", "ref", "floor")))
+    assert "prefill/logits" not in whole and whole.count("prefill/L0.attn") == 3
+    assert sliced and max(sliced) <= KL_ROWS and sum(sliced) == 4 * n     # test+ref, floor+ref: every row, in chunks
+    for a, b in zip(got, want):
+        assert (a.key, a.diverged) == (b.key, b.diverged)
+        assert a.worst == pytest.approx(b.worst, rel=1e-12) and a.mean == pytest.approx(b.mean, rel=1e-12)
