@@ -110,7 +110,7 @@ def list_flags(
             verdict = Text(v["label"], style="green" if v["passed"] else "bold red")
         table.add_row(Text(e.name), Text(e.cls), Text(e.kind or ""), Text(e.component),
                       Text(", ".join(e.effective_gates())), verdict)
-    Console(width=160).print(table)
+    Console(width=200).print(table)   # wide enough that a verdict naming its gates stays on one row
     unknown = sorted(set(verdicts) - set(reg.entries))
     if unknown:
         typer.echo(f"verdicts for flags not in this registry (pass --registry): {unknown}")

@@ -66,15 +66,17 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from core import metrics
 from core.atomic import atomic_write_text
-from core.errors import UnsafeNameError, UserError
+from core.errors import UserError
 from core.paths import repo_root, safe_name
 from core.redact import known_secrets, redact, redact_command, redact_data, register_argv, register_secret, \
     scrub_file, secret_env_name
 from core.results import FILE_NAME as RESULTS_FILE
 from core.results import GateResults, ResultsError
+from core.schema import Problem, Seq, StrictModel, key_path, parse_model, value_at
 from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
@@ -90,12 +92,133 @@ class NightlyConfigError(UserError, ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class RegressionRule:
-    margin_rel: float = 0.05
-    floor_abs: float = 0.0
-    alpha: float = 0.05
-    n_boot: int = 2000
+class RegressionRule(StrictModel):
+    """The metric rule (gates.md §2.7) of a run-vs-baseline comparison: ``[nightly.regression]``."""
+
+    margin_rel: float = Field(0.05, ge=0, allow_inf_nan=False)
+    floor_abs: float = Field(0.0, ge=0, allow_inf_nan=False)
+    alpha: float = Field(0.05, gt=0, lt=1)
+    n_boot: int = Field(2000, ge=100)
+
+
+class NightlyTable(StrictModel):
+    """``[nightly]``: what every cell runs and how a run is compared."""
+
+    name: str | None = None                       # default: the config file's stem
+    gates: Seq[str] = DEFAULT_GATES
+    registry: Seq[str] = ()
+    pytest_args: Seq[str] = ()
+    cell_timeout_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    regression: RegressionRule = RegressionRule()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str | None) -> str | None:
+        if name is not None and not name.strip():
+            raise ValueError(f"nightly.name must be a non-empty string, got {name!r}")
+        if name is not None:
+            safe_name(name, "nightly.name")   # the run folder is --out/<name>-<stamp>
+        return name
+
+
+class MatrixTable(StrictModel):
+    """``[matrix]``: cells = profiles × flag_sets, named "profile" / "profile+f1+f2"."""
+
+    profiles: Seq[str] = ()
+    flag_sets: Seq[Seq[str]] = ((),)
+
+
+class CellTable(StrictModel):
+    """One ``[[cells]]`` table."""
+
+    name: str | None = None
+    profile: str
+    flags: Seq[str] = ()
+    gates: Seq[str] = ()
+    env: dict[str, str] = {}
+    pytest_args: Seq[str] = ()
+
+
+class NightlyFile(StrictModel):
+    """A nightly config file as written (docs/NIGHTLY.md); :func:`parse_config` resolves it into a NightlyConfig."""
+
+    nightly: NightlyTable = NightlyTable()
+    matrix: MatrixTable | None = None
+    cells: Seq[CellTable] = ()
+
+    def cell_tables(self) -> list[tuple[str, str, tuple[str, ...], CellTable | None]]:
+        """(name, profile as written, flags, its [[cells]] table or None for a matrix cell), in file order."""
+        out: list[tuple[str, str, tuple[str, ...], CellTable | None]] = []
+        if self.matrix is not None:
+            out += [(cell_name(p, fs), p, fs, None) for p in self.matrix.profiles for fs in self.matrix.flag_sets]
+        out += [(c.name or cell_name(c.profile, c.flags), c.profile, c.flags, c) for c in self.cells]
+        return out
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_keys_first(cls, data: Any, handler: Any) -> NightlyFile:
+        """A misspelt key is reported before anything else (it is what a person is most likely to have done, and
+        a renamed key is an unknown one plus a default or a missing one)."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+            raise ValidationError.from_exception_data(exc.title, errors) from None
+
+    @model_validator(mode="after")
+    def _cells_are_named_once(self) -> NightlyFile:
+        names = [name for name, *_ in self.cell_tables()]
+        if not names:
+            raise ValueError("no cells: give [matrix] profiles or [[cells]]")
+        for name in names:
+            safe_name(name, "cell name")   # each cell's results folder is <run folder>/<cell name>
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate cell name(s) {dup}")
+        return self
+
+    @classmethod
+    def explain(cls, problem: Problem, data: Any) -> str | None:
+        """The established wording of this file's messages (docs/NIGHTLY.md, the hardening tests)."""
+        loc = problem.loc
+        if problem.kind == "extra_forbidden":
+            unknown = sorted(problem.unknown)
+            if loc == ():
+                return f"unknown top-level key(s) {unknown}; known: nightly, matrix, cells"
+            if loc == ("nightly",):
+                return f"unknown [nightly] key(s) {unknown}"
+            if loc == ("nightly", "regression"):
+                return f"unknown [nightly.regression] key(s) {unknown}; known: {sorted(RegressionRule.model_fields)}"
+            if loc == ("matrix",):
+                return "[matrix] holds profiles and flag_sets only"
+        if len(loc) >= 2 and loc[0] == "cells" and (len(loc) == 2 or problem.kind == "extra_forbidden"):
+            return f"{key_path(loc[:2])}: a cell holds {', '.join(CellTable.model_fields)}"
+        if len(loc) == 3 and loc[0] == "cells" and loc[2] == "profile":
+            return f"{key_path(loc[:2])}: 'profile' (a profile name or .toml path) is required"
+        if loc == ("nightly", "regression"):
+            return f"[nightly.regression] must be a table, got {problem.value!r}"
+        if problem.kind == "value_error" and loc in ((), ("nightly", "name")):
+            return problem.text                   # the validator's own sentence names its key
+        for n in range(len(loc), 0, -1):          # the innermost key with an established "must be"
+            allowed = _MUST_BE.get(tuple(-1 if isinstance(p, int) else p for p in loc[:n]))
+            if allowed is not None:
+                return f"{key_path(loc[:n])} must be {allowed}, got {value_at(data, loc[:n])!r}"
+        return None
+
+
+_LIST = "a list of strings"
+# what each key must be, in the words its messages have always used ("-1": any index of an array)
+_MUST_BE: dict[tuple[str | int, ...], str] = {
+    ("nightly", "name"): "a non-empty string", ("nightly", "gates"): _LIST, ("nightly", "registry"): _LIST,
+    ("nightly", "pytest_args"): _LIST, ("nightly", "cell_timeout_s"): "a number > 0",
+    ("nightly", "regression", "margin_rel"): "a number >= 0", ("nightly", "regression", "floor_abs"): "a number >= 0",
+    ("nightly", "regression", "alpha"): "a number in (0, 1)",
+    ("nightly", "regression", "n_boot"): "an integer >= 100",
+    ("matrix", "profiles"): _LIST, ("matrix", "flag_sets"): "a list of lists of flag names",
+    ("matrix", "flag_sets", -1): _LIST,
+    ("cells", -1, "name"): "a string", ("cells", -1, "flags"): _LIST, ("cells", -1, "gates"): _LIST,
+    ("cells", -1, "pytest_args"): _LIST, ("cells", -1, "env"): "a table of strings",
+}
 
 
 @dataclass(frozen=True)
@@ -110,6 +233,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class NightlyConfig:
+    """A nightly config resolved: its cells expanded from [matrix] and [[cells]], profile paths made absolute."""
+
     name: str
     path: str
     content_hash: str
@@ -121,12 +246,6 @@ class NightlyConfig:
     rule: RegressionRule = RegressionRule()
 
 
-def _strs(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise NightlyConfigError(f"{where} must be a list of strings, got {value!r}")
-    return tuple(value)
-
-
 def _resolve_profile(profile: str, base: Path) -> str:
     if profile.endswith(".toml") or os.sep in profile:
         p = Path(profile)
@@ -135,103 +254,28 @@ def _resolve_profile(profile: str, base: Path) -> str:
     return profile
 
 
-def _safe(name: str, what: str) -> str:
-    try:
-        return safe_name(name, what)
-    except UnsafeNameError as exc:
-        raise NightlyConfigError(str(exc)) from None
-
-
 def cell_name(profile: str, flags: Sequence[str]) -> str:
     stem = Path(profile).stem if profile.endswith(".toml") else profile
     return "+".join([stem, *flags])
 
 
-def _number(value: Any, where: str, allowed: str, ok) -> float:
-    """A finite TOML number that passes ``ok``, else a NightlyConfigError naming the key and what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise NightlyConfigError(f"{where} must be {allowed}, got {value!r}")
-    return float(value)
-
-
 def parse_config(data: Mapping[str, Any], path: str = "<config>", base_dir: Path | None = None) -> NightlyConfig:
     """A NightlyConfig from parsed TOML (pure apart from resolving profile paths against base_dir)."""
     base = base_dir or Path(path).resolve().parent
-    unknown = sorted(set(data) - {"nightly", "matrix", "cells"})
-    if unknown:
-        raise NightlyConfigError(f"{path}: unknown top-level key(s) {unknown}; known: nightly, matrix, cells")
-    top = data.get("nightly", {})
-    allowed = {"name", "gates", "registry", "pytest_args", "cell_timeout_s", "regression"}
-    if set(top) - allowed:
-        raise NightlyConfigError(f"{path}: unknown [nightly] key(s) {sorted(set(top) - allowed)}")
-    name = top.get("name", Path(path).stem)
-    if not isinstance(name, str) or not name.strip():
-        raise NightlyConfigError(f"{path}: nightly.name must be a non-empty string, got {name!r}")
-    _safe(name, f"{path}: nightly.name")   # the run folder is --out/<name>-<stamp>
-    gates = _strs(top.get("gates", list(DEFAULT_GATES)), f"{path}: nightly.gates")
-    registry = _strs(top.get("registry", []), f"{path}: nightly.registry")
-    pytest_args = _strs(top.get("pytest_args", []), f"{path}: nightly.pytest_args")
-    timeout = _number(top.get("cell_timeout_s", 3600), f"{path}: nightly.cell_timeout_s", "a number > 0",
-                      lambda v: v > 0)
-    reg = top.get("regression", {})
-    if not isinstance(reg, Mapping):
-        raise NightlyConfigError(f"{path}: [nightly.regression] must be a table, got {reg!r}")
-    known_rule = {"margin_rel", "floor_abs", "alpha", "n_boot"}
-    if set(reg) - known_rule:
-        raise NightlyConfigError(f"{path}: unknown [nightly.regression] key(s) {sorted(set(reg) - known_rule)}; "
-                                 f"known: {sorted(known_rule)}")
-    where = f"{path}: nightly.regression"
-    checks = {"margin_rel": ("a number >= 0", lambda v: v >= 0), "floor_abs": ("a number >= 0", lambda v: v >= 0),
-              "alpha": ("a number in (0, 1)", lambda v: 0 < v < 1)}
-    values: dict[str, Any] = {k: _number(reg[k], f"{where}.{k}", *checks[k]) for k in checks if k in reg}
-    if "n_boot" in reg:
-        n_boot = reg["n_boot"]
-        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
-            raise NightlyConfigError(f"{where}.n_boot must be an integer >= 100, got {n_boot!r}")
-        values["n_boot"] = n_boot
-    rule = RegressionRule(**values)
-    cells: list[Cell] = []
-    matrix = data.get("matrix")
-    if matrix is not None:
-        if set(matrix) - {"profiles", "flag_sets"}:
-            raise NightlyConfigError(f"{path}: [matrix] holds profiles and flag_sets only")
-        profiles = _strs(matrix.get("profiles", []), f"{path}: matrix.profiles")
-        flag_sets = matrix.get("flag_sets", [[]])
-        if not isinstance(flag_sets, list):
-            raise NightlyConfigError(f"{path}: matrix.flag_sets must be a list of lists of flag names")
-        for prof in profiles:
-            for i, fs in enumerate(flag_sets):
-                flags = _strs(fs, f"{path}: matrix.flag_sets[{i}]")
-                cells.append(Cell(cell_name(prof, flags), _resolve_profile(prof, base), flags))
-    for i, c in enumerate(data.get("cells", [])):
-        where = f"{path}: cells[{i}]"
-        if not isinstance(c, Mapping) or set(c) - {"name", "profile", "flags", "gates", "env", "pytest_args"}:
-            raise NightlyConfigError(f"{where}: a cell holds name, profile, flags, gates, env, pytest_args")
-        if not isinstance(c.get("profile"), str):
-            raise NightlyConfigError(f"{where}: 'profile' (a profile name or .toml path) is required")
-        flags = _strs(c.get("flags", []), f"{where}.flags")
-        env = c.get("env", {})
-        if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
-            raise NightlyConfigError(f"{where}.env must be a table of strings")
-        from engine.environment import check_engine_env
+    doc = parse_model(NightlyFile, data, path, NightlyConfigError)
+    from engine.environment import check_engine_env
 
+    for i, table in enumerate(doc.cells):
         # the cell's gate session environment (the engine starts from its profile's env, not this): the
         # allow-list plus the harness's DS41_* settings; no loader variable, no fault injector
-        check_engine_env(env, f"{where}", cell=True, error=NightlyConfigError)
-        cells.append(Cell(str(c.get("name") or cell_name(c["profile"], flags)), _resolve_profile(c["profile"], base),
-                          flags, _strs(c.get("gates", []), f"{where}.gates"), dict(env),
-                          _strs(c.get("pytest_args", []), f"{where}.pytest_args")))
-    if not cells:
-        raise NightlyConfigError(f"{path}: no cells: give [matrix] profiles or [[cells]]")
-    for c in cells:
-        _safe(c.name, f"{path}: cell name")   # each cell's results folder is <run folder>/<cell name>
-    names = [c.name for c in cells]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise NightlyConfigError(f"{path}: duplicate cell name(s) {dup}")
+        check_engine_env(table.env, f"{path}: cells[{i}]", cell=True, error=NightlyConfigError)
+    cells = tuple(Cell(name, _resolve_profile(profile, base), flags, *(
+        (table.gates, dict(table.env), table.pytest_args) if table is not None else ()))
+        for name, profile, flags, table in doc.cell_tables())
+    top = doc.nightly
     digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-    return NightlyConfig(str(name), path, "sha256:" + digest, tuple(cells), gates, registry, pytest_args,
-                         float(timeout), rule)
+    return NightlyConfig(top.name or Path(path).stem, path, "sha256:" + digest, cells, top.gates, top.registry,
+                         top.pytest_args, top.cell_timeout_s, top.regression)
 
 
 def load_config(path: str | os.PathLike) -> NightlyConfig:
