@@ -257,6 +257,24 @@ def compressed_entries(compressor, positions):
     return out
 
 
+def logits_rows(model, normed, rows: int = 256):
+    """The engine's head (``model.compute_logits``) on every row of ``normed``, ``rows`` at a time into one fp32
+    [n, vocab] tensor: the head's own output and its fp32 copy are never both whole (a 2,300-token DeepSeek
+    prompt's logits are 1.2 GB in fp32). None where this rank computes no logits (PP: not the last stage)."""
+    import torch
+
+    out = None
+    with torch.no_grad():
+        for start in range(0, normed.shape[0], rows):
+            part = model.compute_logits(normed[start:start + rows])
+            if part is None:
+                return None
+            if out is None:
+                out = torch.empty(normed.shape[0], part.shape[-1], dtype=torch.float32)
+            out[start:start + part.shape[0]] = part.to("cpu", dtype=torch.float32)
+    return out
+
+
 def _tp_writer() -> bool:
     """Whether this worker writes the captures: rank 0 of its tensor-parallel group (TP ranks hold identical
     rows); every pipeline-parallel rank writes its own layers. No distributed state (a plain model): True."""
@@ -305,12 +323,15 @@ def install(model, sites=SITES, layers=None) -> dict:
         folder = state["spill"]
         if folder is None or not state["writer"]:
             return
-        if callable(t):                 # a capture that costs something is made only when it is written
-            t = t()
+        fresh = callable(t)
+        if fresh:                       # a capture that costs something, made only when it is written: its
+            t = t()                     # tensor is its own, so it needs no defensive copy
+            if t is None:
+                return
         call = state["calls"].get(key, 0)
         state["calls"][key] = call + 1
         _spill_write(os.path.join(folder, spill_name(key, call)),
-                     t.detach().to("cpu", dtype=torch.float32, copy=True).contiguous())
+                     t.detach().to("cpu", dtype=torch.float32, copy=not fresh).contiguous())
 
     outer = outer_modules(model, name)
     if "embed" in sites and "embed" in outer:
@@ -323,12 +344,9 @@ def install(model, sites=SITES, layers=None) -> dict:
             normed = _first_tensor(out)
             if "final_norm" in sites:
                 keep("final_norm", normed)
-            if "logits" in sites and state["spill"] is not None and state["writer"]:
+            if "logits" in sites:
                 # the engine's own head on every position (vLLM computes logits only where it samples)
-                with torch.no_grad():
-                    logits = model.compute_logits(normed)
-                if logits is not None:
-                    keep("logits", logits)
+                keep("logits", functools.partial(logits_rows, model, normed))
         handles.append(outer["final_norm"][1].register_forward_hook(after_norm))
     hooked = []
     for i, layer in enumerate(mods):

@@ -333,3 +333,25 @@ def test_the_logits_are_compared_in_row_chunks_read_from_the_capture_file(tmp_pa
     for a, b in zip(got, want):
         assert (a.key, a.diverged) == (b.key, b.diverged)
         assert a.worst == pytest.approx(b.worst, rel=1e-12) and a.mean == pytest.approx(b.mean, rel=1e-12)
+
+
+def test_the_engines_head_runs_over_every_row_in_chunks():
+    from engine import localize_runner as lr
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.lm = torch.nn.Linear(4, 9).to(torch.bfloat16)
+            self.calls = []
+
+        def compute_logits(self, h):
+            self.calls.append(h.shape[0])
+            return self.lm(h)
+
+    head, h = Head(), torch.randn(10, 4).to(torch.bfloat16)
+    got = lr.logits_rows(head, h, rows=3)
+    assert head.calls == [3, 3, 3, 1] and got.dtype == torch.float32 and got.shape == (10, 9)
+    torch.testing.assert_close(got, head.lm(h).float(), rtol=0, atol=0)
+    head.compute_logits = lambda h: None          # a PP rank without the head: nothing
+    assert lr.logits_rows(head, h) is None
