@@ -1,3 +1,2 @@
-"""Root conftest: registers the ds41-gates pytest plugin (markers, options, fixtures)."""
-
-pytest_plugins = ["ds41gates.pytest_plugin", "ds41gates.localize_plugin"]
+"""Root conftest. The ds41-gates pytest plugins (markers, options, fixtures) are `pytest11` entry points of the
+installed project (pyproject.toml), not listed here."""
