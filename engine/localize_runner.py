@@ -558,7 +558,9 @@ def assemble(spill: str, path: str, n: int, steps: int) -> dict:
     try:
         for key, files, shape in plan:
             parts = [_read_spill(f) for f in files]
-            rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
+            flat = [p.reshape(p.shape[0], -1) for p in parts]
+            rows = flat[0] if len(flat) == 1 else torch.cat(flat, dim=0)   # one call: no second copy of it
+            del flat
             del parts
             out.write(f"prefill/{key}", rows[:n].reshape([n] + shape))
             if steps > 1:
