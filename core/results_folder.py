@@ -174,6 +174,15 @@ class ResultsFolder:
         """Let go of this run's lock on the folder (a no-op when this process holds none)."""
         paths.release_results_dir(self.path)
 
+    @property
+    def marker_file(self) -> Path:
+        return self.path / paths.RUN_MARKER
+
+    def holds_a_run(self) -> bool:
+        """Whether a gate run wrote here: results.json, or a file named as the run marker (even one that marks
+        nothing: a folder that looks like a run's is not another tool's to write into)."""
+        return self.results_file.exists() or self.marker_file.exists()
+
     def marker(self) -> RunMarker | None:
         """The run marker, when one the harness wrote is there (a file merely named like it marks nothing)."""
         doc = paths.read_marker(self.path)

@@ -42,15 +42,17 @@ def require_side(rec: Record, side: str, path: Path, argument: str) -> None:
 def check_out_folder(out: Path) -> None:
     """--out must be a folder (or not exist yet), and not the results folder of a gate run: a report of other
     records written there would be read as that run's report."""
-    from core.paths import RUN_MARKER
+    from core.results_folder import ResultsFolder
 
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out}: exists and is not a folder (--out takes a folder for report.json/.md/.html)")
     blocker = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
     if not out.exists() and blocker is not None and not blocker.is_dir():
         raise ReportError(f"--out {out}: {blocker} is a file, not a folder")
-    if out.is_dir() and ((out / "results.json").exists() or (out / RUN_MARKER).exists()):
-        raise ReportError(f"--out {out}: is the results folder of a gate run (it holds results.json or {RUN_MARKER}); "
+    run = ResultsFolder.of(out)
+    if out.is_dir() and run.holds_a_run():
+        raise ReportError(f"--out {out}: is the results folder of a gate run (it holds {run.results_file.name} or "
+                          f"{run.marker_file.name}); "
                           "a report of these records there would read as that run's report — choose another --out")
 
 

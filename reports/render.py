@@ -50,6 +50,7 @@ from core import metrics
 from core.atomic import check_file_set, write_file_set
 from core.records import Record
 from core.redact import redact_data
+from core.results_folder import REPORT_HTML, REPORT_JSON, REPORT_MANIFEST, REPORT_MARKDOWN
 
 REPORT_FORMAT = "ds41-report/1"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -65,6 +66,12 @@ class ReportPaths:
     json: Path
     markdown: Path
     html: Path
+
+    @classmethod
+    def in_folder(cls, out_dir: str | os.PathLike) -> ReportPaths:
+        """The report set of `out_dir`, named as a results folder names it (core.results_folder)."""
+        out = Path(out_dir)
+        return cls(out_dir=out, json=out / REPORT_JSON, markdown=out / REPORT_MARKDOWN, html=out / REPORT_HTML)
 
 
 # ---------------------------------------------------------------------------- JSON-safe values
@@ -313,14 +320,10 @@ def build_report(evidence: metrics.PanelEvidence, out_dir: str | os.PathLike, ex
     data = redact_data(report_data(evidence, extra, title, verdicts))
     images = plots.render_all(data, evidence.pairs)
     images.update(extra_plots or {})   # {caption: base64 PNG} drawn by others (the divergence localizer)
-    out = Path(out_dir)
-    paths = ReportPaths(out_dir=out, json=out / "report.json", markdown=out / "report.md", html=out / "report.html")
+    paths = ReportPaths.in_folder(out_dir)
     write_report_set(paths, json.dumps(data, indent=1, allow_nan=False) + "\n", render_markdown(data),
                      render_html(data, images))
     return paths
-
-
-REPORT_MANIFEST = "report.manifest.json"
 
 
 def write_report_set(paths: ReportPaths, json_text: str, markdown: str, html: str) -> None:

@@ -179,3 +179,13 @@ def test_engine_records_are_saved_and_loaded_by_label(tmp_path):
     assert path.name == "engine-vllm-cpu-fp32.safetensors"
     back = folder.load_engine_record("vllm-cpu-fp32")
     assert back.seq_ids == eng.seq_ids and np.array_equal(back.topk_logprobs, eng.topk_logprobs)
+
+
+def test_a_folder_holds_a_run_when_it_has_results_or_a_marker_file(tmp_path):
+    for sign in ("results.json", RUN_MARKER):
+        folder = ResultsFolder.of(tmp_path / sign)
+        folder.path.mkdir()
+        assert not folder.holds_a_run()
+        (folder.path / sign).write_text("anything")      # even a marker that marks nothing: not another tool's
+        assert folder.holds_a_run()
+    assert not ResultsFolder.of(tmp_path / "absent").holds_a_run()
