@@ -7,8 +7,10 @@ Layers:
   routes (``/tokenize``, ``/metrics``, SGLang ``/generate``, llama-server ``/completion``) go through the
   same client's generic ``post``/``get``. Every body is decoded by :func:`engine.adapters.base.strict_json`
   (truncated JSON, NaN literals and duplicate keys are named errors). 5xx, timeouts and connection errors
-  are retried with bounded exponential backoff (:class:`RetryPolicy`); 4xx raises
-  :class:`EngineRequestRejected` at once; anything malformed raises :class:`EngineResponseError`.
+  are retried with bounded exponential backoff (:class:`RetryPolicy`, carried out by ``tenacity``; openai's own
+  retries stay off: they would also retry 408/409/429 and follow ``Retry-After``); 4xx raises
+  :class:`EngineRequestRejected` at once; anything malformed raises :class:`EngineResponseError`. Streams are
+  parsed by ``httpx-sse`` (the SSE specification's parser) on the same guarded response.
   A verdict is bound to the engine that was named (``_OriginGuard``, httpx event hooks on the client's own
   ``httpx.Client``): a redirect to another origin is :class:`EngineRedirectRefused` naming both origins (within
   the origin only with ``same_origin_redirects``); bodies are uncompressed (``Accept-Encoding: identity``, any
@@ -30,9 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
+import httpx_sse
 import numpy as np
 import openai
+import tenacity
 
+from core.console import counting
 from core.records import Provenance, Record, SequenceScores
 from core.version import code_version
 from engine.adapters.base import (
@@ -256,16 +261,28 @@ class _OriginGuard:
 # ---------------------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff: delays base, 2·base, 4·base … capped at max_delay_s."""
+    """Bounded exponential backoff: delays base, 2·base, 4·base … capped at max_delay_s; only the statuses
+    named here (and timeouts, connection errors) are retried."""
 
     max_attempts: int = 4
     base_delay_s: float = 0.25
     max_delay_s: float = 4.0
     retry_statuses: frozenset[int] = frozenset({500, 502, 503, 504})
 
-    def delay(self, attempt: int) -> float:
-        """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
-        return min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
+    def retrying(self, sleep: Callable[[float], None]) -> tenacity.Retrying:
+        """The tenacity loop carrying this policy out: it retries :class:`_Retryable` failures only."""
+        return tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts),
+            wait=tenacity.wait_exponential(multiplier=self.base_delay_s, max=self.max_delay_s),
+            retry=tenacity.retry_if_exception_type(_Retryable), sleep=sleep, reraise=True)
+
+
+class _Retryable(Exception):
+    """One attempt that failed in a way another attempt may not: a listed 5xx, a timeout, a connection error."""
+
+    def __init__(self, what: str, detail: str, status: int | None):
+        super().__init__(what)
+        self.what, self.detail, self.status = what, detail, status
 
 
 @dataclass(frozen=True)
@@ -376,32 +393,38 @@ class EngineClient:
             return sorted(self._guard.answered), sorted(self._guard.peers)
 
     def _with_retries(self, url: str, seq_id: str | None, call: Callable[[], T], budget: int = 0) -> T:
+        """``call()`` under the retry policy: a 4xx (or an unlisted 5xx) is :class:`EngineRequestRejected` at once;
+        the last retryable failure, once the attempts are spent, is :class:`EngineTransportError`."""
         policy = self.config.retry
-        attempt = 0
-        while True:
-            attempt += 1
+        tries = 0
+
+        def attempt() -> T:
+            nonlocal tries
+            tries += 1
             with self._lock:
                 self.attempts += 1
             self._guard.begin(budget)
             try:
                 return call()
             except openai.APIStatusError as exc:
-                status = exc.status_code
-                if status not in policy.retry_statuses:
-                    raise EngineRequestRejected(status, url, _error_message(exc), seq_id) from None
-                what, detail = "server error", _error_message(exc)
+                if exc.status_code not in policy.retry_statuses:
+                    raise EngineRequestRejected(exc.status_code, url, _error_message(exc), seq_id) from None
+                failure = _Retryable("server error", _error_message(exc), exc.status_code)
             except openai.APITimeoutError as exc:
-                status, what, detail = None, "timeout", str(exc) or "request timed out"
+                failure = _Retryable("timeout", str(exc) or "request timed out", None)
             except openai.APIConnectionError as exc:
                 cause = exc.__cause__ or exc
-                status, what, detail = None, "connection error", f"{type(cause).__name__}: {cause}"
+                failure = _Retryable("connection error", f"{type(cause).__name__}: {cause}", None)
             if self._guard.deadline_fired():
-                what = "deadline exceeded"
-                detail = (f"no complete answer within the total deadline of {self._guard.deadline_s:g} s per request "
-                          f"(per-read timeout {self.config.timeout_s:g} s)")
-            if attempt >= policy.max_attempts:
-                raise EngineTransportError(what, url, attempt, detail, status, seq_id)
-            self._sleep(policy.delay(attempt))
+                failure = _Retryable("deadline exceeded",
+                                     f"no complete answer within the total deadline of {self._guard.deadline_s:g} s "
+                                     f"per request (per-read timeout {self.config.timeout_s:g} s)", failure.status)
+            raise failure
+
+        try:
+            return policy.retrying(self._sleep)(attempt)
+        except _Retryable as last:
+            raise EngineTransportError(last.what, url, tries, last.detail, last.status, seq_id) from None
 
     def post_json(self, path: str, body: Mapping[str, Any], *, seq_id: str | None = None) -> JsonReply:
         """POST a JSON body and decode the answer strictly. ``/v1/*completions`` go through openai's resources."""
@@ -450,16 +473,12 @@ class EngineClient:
         cm = self._with_retries(url, seq_id, lambda: _open_stream(self._openai, known, extra), answer_budget(body))
         done = False
         try:
-            for line in cm.iter_lines():
+            for event in httpx_sse.EventSource(cm.http_response).iter_sse():
                 t = time.perf_counter() - t0
-                if not line:
-                    continue
-                if line.startswith(":"):
-                    continue  # SSE comment / keep-alive
-                if not line.startswith("data:"):
-                    raise EngineResponseError(Malformed.STREAM_MALFORMED, f"SSE line is not a data line: {line[:80]!r}",
-                                              seq_id, url=url)
-                payload = line[5:].strip()
+                if event.event not in ("", "message"):   # OpenAI-style streams send unnamed data events only
+                    raise EngineResponseError(Malformed.STREAM_MALFORMED,
+                                              f"SSE event {event.event[:40]!r} is not a data event", seq_id, url=url)
+                payload = event.data.strip()
                 if payload == "[DONE]":
                     done = True
                     break
@@ -471,6 +490,8 @@ class EngineClient:
                     raise EngineResponseError(Malformed.STREAM_MALFORMED, f"engine sent an error event: {data['error']!r}",
                                               seq_id, url=url)
                 yield SseEvent(t, data)
+        except httpx_sse.SSEError as exc:   # not an event stream at all (its Content-Type says so)
+            raise EngineResponseError(Malformed.STREAM_MALFORMED, str(exc)[:200], seq_id, url=url) from None
         except httpx.HTTPError as exc:
             what = "deadline exceeded" if self._guard.deadline_fired() else "stream broken"
             raise EngineTransportError(what, url, 1, f"{type(exc).__name__}: {exc}", None, seq_id) from None
@@ -668,7 +689,8 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
             raise
 
     results: list[SequenceLogprobs | None] = [None] * len(seqs)
-    with _progress(progress, f"{client.adapter.name} · {encoded_panel.panel_name}", len(seqs)) as advance:
+    with counting(f"{client.adapter.name} · {encoded_panel.panel_name}", len(seqs), enabled=progress,
+                  transient=True) as advance:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds41-score") as pool:
             futures = [pool.submit(one, s) for s in seqs]
             try:
@@ -732,24 +754,3 @@ def score_panel(client: EngineClient, encoded_panel: _EncodedPanel, k: int, prov
 
 class _NotSent(Exception):
     """A sequence skipped because an earlier one failed (its error, raised first, is the one reported)."""
-
-
-class _progress:
-    def __init__(self, enabled: bool, label: str, total: int):
-        self.enabled, self.label, self.total = enabled, label, total
-        self._p = None
-
-    def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           transient=True)
-        self._p.__enter__()
-        task = self._p.add_task(self.label, total=self.total)
-        return lambda: self._p.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self._p is not None:
-            self._p.__exit__(*exc)

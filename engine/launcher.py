@@ -35,12 +35,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from core.redact import REDACTED, SECRET_NAME, redact, register_secret
 from core.redact import redact_env as _redact_env
@@ -416,11 +416,17 @@ class EngineServer:
         return self
 
     def _wait_healthy(self, spec: LaunchSpec, proc: subprocess.Popen[bytes], t0: float) -> None:
+        key = self.api_key
+        # httpx, as the engine client: no redirect followed (a health answer from elsewhere is no health)
+        with httpx.Client(timeout=5.0, follow_redirects=False,
+                          headers={"Authorization": f"Bearer {key}"} if key else {}) as http:
+            self._poll_health(spec, proc, t0, http, bool(key))
+
+    def _poll_health(self, spec: LaunchSpec, proc: subprocess.Popen[bytes], t0: float, http: httpx.Client,
+                     with_key: bool) -> None:
         deadline = t0 + spec.start_timeout_s
         last_error = "no answer yet"
         last_echo = t0
-        key = self.api_key
-        probe = urllib.request.Request(spec.health_url, headers={"Authorization": f"Bearer {key}"} if key else {})
         while True:
             code = proc.poll()
             if code is not None:
@@ -430,19 +436,18 @@ class EngineServer:
                     f"--- last lines of {spec.log_path} ---\n{log_tail(spec.log_path)}"
                 )
             try:
-                with urllib.request.urlopen(probe, timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-                    last_error = f"HTTP {resp.status}"
-            except urllib.error.HTTPError as exc:
-                last_error = f"HTTP {exc.code}"
-                if exc.code in (401, 403):
+                status = http.get(spec.health_url).status_code
+            except httpx.HTTPError as exc:
+                last_error = str(exc) or type(exc).__name__
+            else:
+                if status == 200:
+                    return
+                last_error = f"HTTP {status}"
+                if status in (401, 403):
                     raise EngineStartError(
-                        f"engine {spec.profile!r}: {spec.health_url} answered HTTP {exc.code} to the health probe "
-                        f"({'with' if key else 'without'} an API key): the server demands a key the launcher does "
-                        "not know (give it as --api-key in the profile args or VLLM_API_KEY in its env)")
-            except (urllib.error.URLError, OSError) as exc:
-                last_error = str(getattr(exc, "reason", exc))
+                        f"engine {spec.profile!r}: {spec.health_url} answered HTTP {status} to the health probe "
+                        f"({'with' if with_key else 'without'} an API key): the server demands a key the launcher "
+                        "does not know (give it as --api-key in the profile args or VLLM_API_KEY in its env)")
             now = time.monotonic()
             if now - last_echo >= PROGRESS_EVERY_S:
                 last_echo = now

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
+
 from core.redact import redact
 
 LOG_TAIL_BYTES = 6000
@@ -56,20 +58,16 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid`` (Linux /proc)."""
+    """Live (non-zombie) processes whose process group is ``pgid``."""
     out: list[int] = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for proc in psutil.process_iter(["status"]):
+        if proc.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             continue
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
+            if os.getpgid(proc.pid) == pgid:   # psutil has no process-group field; the kernel answers per pid
+                out.append(proc.pid)
+        except ProcessLookupError:             # gone between the listing and the question
             continue
-        # "pid (comm) state ppid pgrp ..." — comm may hold spaces or parentheses
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
-            out.append(int(entry.name))
     return out
 
 

@@ -722,3 +722,37 @@ def test_score_panel_names_the_failing_sequence(fake):
         score_panel(c, panel, 2, EngineSource(fake.url, MODEL, "fake"), progress=False)
     assert ei.value.seq_id == "bad-one" and ei.value.position == 2
     assert ei.value.kind == Malformed.PROMPT_IDS_MISMATCH
+
+
+def test_stream_follows_the_sse_specification(fake):
+    """CRLF line ends, comments, an ``id:`` field and a payload split over two ``data:`` lines are one event each
+    (the SSE parser's rules), so a conforming stream reads the same as the plain one."""
+    chunks = _stream_chunks(IDS, 2, 3)
+
+    def odd_but_valid(b):
+        out = [(0.0, b": keep-alive\r\n\r\n")]
+        for i, c in enumerate(chunks):
+            text = json.dumps(c)
+            half = text.index(', "choices"')   # a line break between two keys: still the same JSON
+            out.append((0.0, f"id: {i}\r\ndata: {text[:half]}\r\ndata:{text[half:]}\r\n\r\n".encode()))
+        out.append((0.0, b"data: [DONE]\r\n\r\n"))
+        return Reply(200, chunks=out, content_type="text/event-stream; charset=utf-8")
+
+    fake.routes["/v1/completions"] = odd_but_valid
+    c, _ = client_for(fake)
+    s = c.stream(IDS, 2, 3, seq_id="spec")
+    assert s.generation.token_ids == tuple(vllm_generation_response(IDS, 2, 3)["choices"][0]["token_ids"])
+
+
+@pytest.mark.parametrize("reply,detail", [
+    (lambda: Reply(200, chunks=[(0.0, b"event: ping\ndata: {}\n\n"), (0.0, b"data: [DONE]\n\n")],
+                   content_type="text/event-stream"), "'ping' is not a data event"),
+    (lambda: Reply(200, chunks=[(0.0, b"data: [DONE]\n\n")], content_type="application/json"),
+     "text/event-stream"),
+], ids=["named event", "not an event stream"])
+def test_stream_that_is_not_openai_sse_is_refused(fake, reply, detail):
+    fake.routes["/v1/completions"] = lambda b: reply()
+    c, _ = client_for(fake)
+    with pytest.raises(EngineResponseError) as ei:
+        c.stream(IDS, 2, 3, seq_id="st")
+    assert ei.value.kind == Malformed.STREAM_MALFORMED and detail in str(ei.value)
