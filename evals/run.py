@@ -24,6 +24,7 @@ from core.console import counting
 from core.errors import UserError
 from core.records import Provenance
 from core.redact import redact_data
+from core.results_folder import eval_record_name, generations_name
 from core.version import code_version
 from evals.data import CodeProblem, Dataset, IFEvalPrompt, problem_id
 from evals.records import CODE_SUITES, EvalRecord, ProblemResult
@@ -234,7 +235,7 @@ def evaluate(client, dataset: Dataset, tok, settings: Settings, source, out_dir:
     """Generate (resuming) and score one suite on one engine; the record is saved and returned."""
     src = source.as_source()
     header = run_header(dataset, tok, settings, src)
-    store = GenerationStore(out_dir / f"{_fname(dataset.suite)}.generations.jsonl", header)
+    store = GenerationStore(out_dir / generations_name(dataset.suite), header)
     t0 = time.perf_counter()
     if score_only:      # an unfinished run: score what was generated, in data order, and say so
         gens = {problem_id(p): store.done[problem_id(p)] for p in dataset.problems if problem_id(p) in store.done}
@@ -254,12 +255,8 @@ def evaluate(client, dataset: Dataset, tok, settings: Settings, source, out_dir:
                              "truncated": sum(1 for r in results if r.n_tokens >= settings.max_tokens),
                              "decoding": "greedy (temperature 0), prompt sent as token ids"})
     rec = EvalRecord(dataset.suite, prov, results)
-    rec.save(out_dir / f"{_fname(dataset.suite)}.eval.json")
+    rec.save(out_dir / eval_record_name(dataset.suite))
     return rec
-
-
-def _fname(suite: str) -> str:
-    return suite.replace("+", "plus")
 
 
 
