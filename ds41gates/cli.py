@@ -6,25 +6,11 @@ import importlib
 
 import typer
 
-def _flags_take_no_value() -> None:
-    """typer 0.29 prints `<bool>` beside every flag (--help included) as if it took a value; show none."""
-    from typer.core import TyperOption
-
-    if getattr(TyperOption.display_type_rich, "_ds41_flag_aware", False):
-        return
-    shown = TyperOption.display_type_rich
-
-    def display_type_rich(self, ctx):
-        return None if self.is_flag else shown(self, ctx)
-
-    display_type_rich._ds41_flag_aware = True
-    TyperOption.display_type_rich = display_type_rich
-
-
-_flags_take_no_value()
-
+# rich_markup_mode=None: click's plain help, for the root and every mounted sub-app (they inherit it). typer's
+# rich help prints `<bool>` beside every flag as if it took a value (typer 0.29); the plain help shows a flag as
+# a flag and a valued option with its type
 app = typer.Typer(help="ds41-gates: gate LLM serving engine changes against an fp32 oracle.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
 
