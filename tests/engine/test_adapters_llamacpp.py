@@ -49,7 +49,8 @@ def _require_llama_server() -> None:
 
 
 def test_llama_server_profiles_resolve_to_the_built_binary():
-    from engine.launcher import load_profile, resolve
+    from engine.launcher import resolve
+    from engine.profiles import load_profile
 
     fake = {name: (lambda n=name: f"<{n}>") for name in ("llama_server", "gguf_f32", "gguf_q4_1", "cache", "stamp")}
     for gguf, name in (("<gguf_f32>", "llama-server-f32"), ("<gguf_q4_1>", "llama-server-q4_1")):
@@ -64,7 +65,8 @@ def test_llama_server_profiles_resolve_to_the_built_binary():
 
 
 def test_llama_server_profile_without_a_build_names_the_setup_script(tmp_path, monkeypatch):
-    from engine.launcher import ProfileError, load_profile, resolve
+    from engine.launcher import resolve
+    from engine.profiles import ProfileError, load_profile
 
     monkeypatch.setenv("DS41_CACHE", str(tmp_path))
     with pytest.raises(ProfileError, match="setup-llama-server.sh"):
@@ -94,7 +96,8 @@ def test_llama_server_setup_is_cached_and_the_binary_runs():
 @pytest.fixture(scope="module")
 def llama_server():
     from engine.client import ClientConfig, EngineClient
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     _require_llama_server()
     with EngineServer(load_profile("llama-server-f32")) as srv:
@@ -348,7 +351,8 @@ def test_llama_server_panel_record_every_position_scored(llama_server):
 @pytest.fixture(scope="module")
 def llama():
     from engine.client import ClientConfig, EngineClient
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     with EngineServer(load_profile("llamacpp-f32")) as srv:
         c = EngineClient(ClientConfig(srv.base_url, srv.served_model, vocab_size=49152, timeout_s=300),

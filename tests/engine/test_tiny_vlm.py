@@ -73,12 +73,12 @@ def test_oracle_refuses_an_image_token_outside_its_span(setup):
 
 
 def test_vlm_profiles_serve_the_tiny_vlm_with_content_parts():
-    from engine import launcher
+    from engine import launcher, profiles
 
     fake = {n: (lambda n=n: f"<{n}>") for n in ("vllm_python", "vlm_hf_dir", "cache", "stamp")}
     assert "vlm_hf_dir" in launcher.default_providers()
     for name, dtype in (("vllm-cpu-vlm-fp32", "float32"), ("vllm-cpu-vlm-bf16", "bfloat16")):
-        argv = list(launcher.resolve(launcher.load_profile(name), providers=fake).argv)
+        argv = list(launcher.resolve(profiles.load_profile(name), providers=fake).argv)
         assert argv[argv.index("--model") + 1] == "<vlm_hf_dir>"
         assert argv[argv.index("--dtype") + 1] == dtype
         assert argv[argv.index("--chat-template-content-format") + 1] == "openai"

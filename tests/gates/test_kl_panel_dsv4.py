@@ -65,7 +65,8 @@ def _probe() -> dict:
 
 @pytest.fixture(scope="module")
 def dsv4_url():
-    from engine.launcher import EngineServer, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
 
     probe = _probe()
     if probe["missing_ops"]:

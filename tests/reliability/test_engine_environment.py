@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from core import redact as R
-from engine import launcher
-from engine.launcher import EngineServer, load_profile
+from engine import launcher, profiles, supervise
+from engine.launcher import EngineServer
+from engine.profiles import load_profile
 from engine.profiles import ProfileError, parse_profile
 from tests.reliability.helpers import REPO, gate_session_env
 
@@ -85,7 +86,7 @@ def test_a_launched_engine_gets_the_base_and_its_profile_env_and_no_harness_secr
     prof = load_profile(name)
     srv = EngineServer(prof, echo=lambda m: None, overrides={"log_file": str(tmp_path / "engine.log")})
     with srv:
-        members = launcher.group_members(srv.pid)
+        members = supervise.group_members(srv.pid)
         environs = {pid: _environ_of(pid) for pid in members}
     assert environs, "no process of the engine's group to read"
     allowed = DOCUMENTED_BASE | set(prof.env) | set(getattr(prof, "inherit_env", ()))
@@ -186,7 +187,7 @@ def test_the_results_folder_of_this_checkout_is_not_source(tmp_path):
 
 
 def test_every_shipped_profile_loads_under_the_allow_list():
-    for name in launcher.available_profiles():
+    for name in profiles.available_profiles():
         assert load_profile(name).name == name
     assert load_profile("vllm-cpu-dsv4").env["PYTHONPATH"] == "{repo}/engine/vllm_dsv4"
 

@@ -432,7 +432,8 @@ def test_engine_that_echoes_the_key_or_url_credentials_never_reach_a_file(tmp_pa
 def test_launcher_health_probe_sends_the_servers_key(tmp_path):
     """A key-protected server (VLLM_API_KEY in its env, as vLLM reads it) answers /v1/models only with the key:
     the probe sends it, so the start succeeds instead of 401-ing until the timeout."""
-    from engine.launcher import EngineServer, Profile
+    from engine.launcher import EngineServer
+    from engine.profiles import Profile
 
     server_py = tmp_path / "keyed.py"
     server_py.write_text(
@@ -529,11 +530,11 @@ def test_help_shows_no_bool_placeholder():
 
 
 def test_launcher_progress_is_echoed_while_the_engine_starts(tmp_path, monkeypatch):
-    from engine import launcher
+    from engine import launcher, profiles
 
     monkeypatch.setattr(launcher, "PROGRESS_EVERY_S", 0.5)
     lines: list[str] = []
-    prof = launcher.Profile(name="slow", command=(sys.executable, "-c", "import time; time.sleep(30)"),
+    prof = profiles.Profile(name="slow", command=(sys.executable, "-c", "import time; time.sleep(30)"),
                             start_timeout_s=2.2, stop_grace_s=1, health_url="http://127.0.0.1:{port}/v1/models",
                             log_file=str(tmp_path / "log.txt"))
     with pytest.raises(launcher.EngineStartError):

@@ -15,7 +15,8 @@ import pytest
 from core import metrics
 from engine import launcher
 from engine.endpoint import endpoint_for_server, score_engine
-from engine.launcher import EngineServer, load_profile
+from engine.launcher import EngineServer
+from engine.profiles import load_profile
 from tests.reliability.helpers import RESUME_TOP_K, files_containing, http_status, smol_reference, smol_subset
 
 pytestmark = [pytest.mark.engine]

@@ -21,7 +21,8 @@ from engine import launcher
 from engine.adapters.llamacpp import LlamaCppPythonAdapter
 from engine.client import ClientConfig, EngineClient, RetryPolicy
 from engine.errors import EngineTransportError
-from engine.launcher import EngineServer, group_members
+from engine.launcher import EngineServer
+from engine.supervise import group_members
 
 pytestmark = [pytest.mark.engine]
 

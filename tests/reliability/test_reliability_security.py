@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.launcher import EngineServer, EngineStartError, load_profile, redact_argv, redact_env
+from engine.launcher import EngineServer, EngineStartError, redact_argv, redact_env
+from engine.profiles import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("ds41gates", "engine", "oracle", "panels", "reports", "gates", "tests", "benchmarks", "scripts")

@@ -26,7 +26,8 @@ import pytest
 from core.records import Record
 from core.results import GateEntry
 from engine import launcher
-from engine.launcher import EngineServer, group_members
+from engine.launcher import EngineServer
+from engine.supervise import group_members
 from tests.reliability.helpers import (
     RESUME_TOP_K, files_containing, gate_session_env, http_status, run_gate_session, smol_reference,
 )
@@ -37,7 +38,7 @@ HEAD = "import pytest\npytestmark = [pytest.mark.gate, pytest.mark.engine]\n"
 KL_GATE = "from gates.test_kl_panel import test_kl_panel_per_domain  # the real gate\n"
 LONG_GATE = '''
 
-def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
+def test_zz_long_gate(engine_endpoint, encoded_panel, gate_run):
     """Stand-in for a long gate: re-scores the panel until the engine goes away (the test kills it)."""
     import os
     import time
@@ -51,7 +52,7 @@ def test_zz_long_gate(engine_endpoint, encoded_panel, gate_results):
     while time.monotonic() < deadline:
         score_engine(engine_endpoint, encoded_panel, 5)
         rounds += 1
-        gate_results.add(GateEntry("zz_long_gate", None, metrics={"rounds": rounds}))
+        gate_run.add(GateEntry("zz_long_gate", None, metrics={"rounds": rounds}))
 '''
 
 

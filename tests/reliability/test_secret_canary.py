@@ -55,11 +55,11 @@ pytestmark = [pytest.mark.gate, pytest.mark.engine]
 from gates.test_kl_panel import test_kl_panel_per_domain  # the real gate
 
 
-def test_refused_call_echoes_the_header(engine_client, gate_results):
+def test_refused_call_echoes_the_header(engine_client, gate_run):
     """The engine refuses a call and quotes the request's Authorization header in its error."""
     from core.results import GateEntry
 
-    gate_results.add(GateEntry("canary_partial", None, metrics={"measured": 1}))
+    gate_run.add(GateEntry("canary_partial", None, metrics={"measured": 1}))
     engine_client.tokenize("hello")
 
 
@@ -412,7 +412,9 @@ def test_a_localize_run_writes_no_canary_and_records_its_env_redacted_by_key(tmp
 @pytest.mark.timeout(300)
 def test_a_launched_engines_proc_environ_holds_no_canary(tmp_path, monkeypatch):
     from engine import launcher
-    from engine.launcher import EngineServer, group_members, load_profile
+    from engine.launcher import EngineServer
+    from engine.profiles import load_profile
+    from engine.supervise import group_members
 
     if not (launcher._cache() / "engines" / launcher.LLAMA_SERVER_DIR / ".ds41-ready").exists():
         pytest.skip("llama-server not built (scripts/setup-llama-server.sh)")

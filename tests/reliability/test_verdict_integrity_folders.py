@@ -29,7 +29,7 @@ from core.records import Record
 from core.results import GateResults
 from ds41gates import pipeline
 from ds41gates.cli import main
-from engine.launcher import PROFILES_DIR, ProfileError, load_profile
+from engine.profiles import PROFILES_DIR, ProfileError, load_profile
 from tests.core.recordkit import pair_of_records
 from tests.reliability.helpers import (
     REPO, Canned, CannedServer, exact_reference, gate_session_env, plain_sequences, serve_vllm,
@@ -444,7 +444,7 @@ def test_loader_variables_in_a_profile_env_are_refused(tmp_path, capsys, var):
 
 
 def test_shipped_profiles_still_load_including_the_repo_pythonpath_of_dsv4():
-    from engine.launcher import available_profiles
+    from engine.profiles import available_profiles
 
     names = available_profiles()
     assert "vllm-cpu-dsv4" in names
