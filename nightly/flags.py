@@ -33,17 +33,19 @@ Everything here except :func:`load_registry` / :func:`load_registry_file` is pur
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import hashlib
-import math
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Iterable, Literal, Mapping, Sequence
+
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from core.coverage import DEPTH_MECHANISMS, MECHANISM_NAMES
 from core.errors import UserError
+from core.schema import Problem, Seq, StrictModel, key_path, parse_model, value_at
 from core.tomlfile import read_toml
 
 DEFAULT_REGISTRY = Path(__file__).resolve().parent / "flags.toml"
@@ -72,79 +74,55 @@ _ENTRY_KEYS = {"description", "class", "kind", "component", "values", "default",
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
+ClassName = Literal["exact", "numerics", "perf"]
+KindName = Literal["", "debug", "draft-only", "test-only", "configuration", "reference", "decode-only", "safety"]
+GateName = Literal[tuple(sorted(KNOWN_GATES))]  # type: ignore[valid-type]
+# a flag's engine value: TOML may write it as a string, a number or a boolean; the registry keeps the engine's text
+EnvValue = Annotated[str | int | float | bool, AfterValidator(lambda v: ("1" if v else "0") if isinstance(v, bool)
+                                                             else str(v))]
+
 
 class FlagRegistryError(UserError, ValueError):
     """A registry file is malformed, or a flag / value is unknown or not allowed."""
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    kl_margin_rel: float = 0.05
-    kl_floor_abs: float = 0.0
-    alpha: float = 0.05
+class Thresholds(StrictModel):
+    """A flag's ``[flags.NAME.thresholds]``: what its A/B gates allow (a later registry file merges key by key)."""
+
+    kl_margin_rel: float = Field(0.05, ge=0, allow_inf_nan=False)
+    kl_floor_abs: float = Field(0.0, ge=0, allow_inf_nan=False)
+    alpha: float = Field(0.05, gt=0, lt=1)
     band_profile: str = ""
-    speed_tolerance: float = 0.10
+    # below 1: a tolerance of 1 or more lets a flag make the engine arbitrarily slow and still pass
+    speed_tolerance: float = Field(0.10, ge=0, lt=1)
     require_speedup: bool = False
     # the vision tower gate (core.metrics.tower): limit = max(factor x the reference-bf16 floor, abs floor)
-    tower_floor_factor: float = 1.0
-    tower_abs_floor: float = 0.0
+    tower_floor_factor: float = Field(1.0, ge=0, allow_inf_nan=False)
+    tower_abs_floor: float = Field(0.0, ge=0, allow_inf_nan=False)
 
-    @classmethod
-    def from_table(cls, data: Mapping[str, Any], where: str, base: "Thresholds | None" = None) -> "Thresholds":
-        base = base or cls()
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise FlagRegistryError(f"{where}: unknown threshold(s) {unknown}; known: {sorted(known)}")
-        changes: dict[str, Any] = {}
-        for key, value in data.items():
-            want = type(getattr(base, key))
-            if want is float:
-                if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                        or value < 0):
-                    raise FlagRegistryError(f"{where}: threshold {key!r} must be a finite number >= 0, got {value!r}")
-                value = float(value)
-            elif not isinstance(value, want):
-                raise FlagRegistryError(f"{where}: threshold {key!r} must be {want.__name__}, got {value!r}")
-            changes[key] = value
-        if "alpha" in changes and not 0 < changes["alpha"] < 1:
-            raise FlagRegistryError(f"{where}: threshold 'alpha' must lie in (0, 1), got {changes['alpha']!r}")
-        if "speed_tolerance" in changes and not changes["speed_tolerance"] < 1:
-            # a tolerance of 1 or more lets a flag make the engine arbitrarily slow and still pass
-            raise FlagRegistryError(f"{where}: threshold 'speed_tolerance' must lie in [0, 1), "
-                                    f"got {changes['speed_tolerance']!r}")
-        return dataclasses.replace(base, **changes)
+    def merged(self, over: Thresholds | None) -> Thresholds:
+        """These thresholds with the keys ``over`` set replacing ours (a later registry file's table)."""
+        return self if over is None else self.model_copy(update={k: getattr(over, k) for k in over.model_fields_set})
 
 
-@dataclass(frozen=True)
-class ValueSpec:
+class ValueSpec(StrictModel):
     """Allowed values of a flag and their parse type (gates.md §10.1: strict, never a silent fallback)."""
 
-    type: str = "bool"
+    type: Literal["bool", "int", "str", "path"] = "bool"
     min: int | None = None
     max: int | None = None
-    choices: tuple[str, ...] = ()
+    choices: Seq[str] = ()
 
-    @classmethod
-    def from_table(cls, data: Mapping[str, Any], where: str) -> "ValueSpec":
-        unknown = sorted(set(data) - {"type", "min", "max", "choices"})
-        if unknown:
-            raise FlagRegistryError(f"{where}: unknown key(s) in 'values': {unknown}")
-        vtype = data.get("type", "bool")
-        if vtype not in VALUE_TYPES:
-            raise FlagRegistryError(f"{where}: values.type must be one of {VALUE_TYPES}, got {vtype!r}")
-        lo, hi = data.get("min"), data.get("max")
-        for name, v in (("min", lo), ("max", hi)):
-            if v is not None and (vtype != "int" or isinstance(v, bool) or not isinstance(v, int)):
-                raise FlagRegistryError(f"{where}: values.{name} is for integer flags only, got {v!r}")
-        if lo is not None and hi is not None and lo > hi:
-            raise FlagRegistryError(f"{where}: values.min {lo} > values.max {hi}")
-        choices = data.get("choices", [])
-        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-            raise FlagRegistryError(f"{where}: values.choices must be a list of strings, got {choices!r}")
-        if choices and vtype != "str":
-            raise FlagRegistryError(f"{where}: values.choices is for string flags only")
-        return cls(vtype, lo, hi, tuple(choices))
+    @model_validator(mode="after")
+    def _consistent(self) -> ValueSpec:
+        for name in ("min", "max"):
+            if getattr(self, name) is not None and self.type != "int":
+                raise ValueError(f"values.{name} is for integer flags only, got {getattr(self, name)!r}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"values.min {self.min} > values.max {self.max}")
+        if self.choices and self.type != "str":
+            raise ValueError("values.choices is for string flags only")
+        return self
 
     def parse(self, name: str, raw: str) -> bool | int | str:
         """Parse an environment value; a malformed one raises FlagRegistryError naming the variable."""
@@ -168,22 +146,71 @@ class ValueSpec:
         return text
 
 
-@dataclass(frozen=True)
-class FlagEntry:
+def _mechanisms(names: tuple[str, ...]) -> tuple[str, ...]:
+    if any(m not in MECHANISM_NAMES for m in names) or len(set(names)) != len(names):
+        raise ValueError(f"'mechanisms' must name each of {list(MECHANISM_NAMES)} at most once, got {list(names)}")
+    return names
+
+
+Mechanisms = Annotated[Seq[str], AfterValidator(_mechanisms)]
+
+
+class FlagTable(StrictModel):
+    """One ``[flags.NAME]`` table as a file writes it: every key optional, since a later registry file sets only
+    the keys it changes (:meth:`FlagEntry.merged`)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    description: str | None = None
+    cls: ClassName | None = Field(None, alias="class")
+    kind: KindName | None = None
+    component: str | None = None
+    values: ValueSpec | None = None
+    default: EnvValue | None = None
+    production: EnvValue | None = None
+    gates: Seq[GateName] | None = None
+    evidence: Seq[str] | None = None
+    mechanisms: Mechanisms | None = None
+    notes: str | None = None
+    thresholds: Thresholds | None = None
+
+
+class FlagEntry(StrictModel):
+    """A flag as the registry knows it, its files merged (:func:`parse_registry`)."""
+
     name: str
-    description: str
-    cls: str
-    kind: str = ""
+    description: str = Field(min_length=1)
+    cls: ClassName
+    kind: KindName = ""
     component: str = ""
-    values: ValueSpec = field(default_factory=ValueSpec)
+    values: ValueSpec = ValueSpec()
     default: str | None = None
     production: str | None = None
-    gates: tuple[str, ...] = ()
-    evidence: tuple[str, ...] = ()
-    mechanisms: tuple[str, ...] = ()
+    gates: Seq[GateName] = ()
+    evidence: Seq[str] = ()
+    mechanisms: Seq[str] = ()
     notes: str = ""
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    thresholds: Thresholds = Thresholds()
     source: str = ""
+
+    @model_validator(mode="after")
+    def _values_parse(self) -> FlagEntry:
+        for key in ("default", "production"):
+            raw = getattr(self, key)
+            if raw and self.values.type != "path":
+                try:
+                    self.values.parse(self.name, raw)
+                except FlagRegistryError as exc:
+                    raise ValueError(f"{key} {exc}") from None
+        return self
+
+    @classmethod
+    def explain(cls, problem: Problem, data: Any) -> str | None:
+        if problem.kind == "missing":
+            return f"'{'class' if problem.loc == ('cls',) else key_path(problem.loc)}' is required"
+        if problem.kind == "string_too_short":
+            return f"'{key_path(problem.loc)}' is required"
+        return problem.text if problem.kind == "value_error" else None
 
     @property
     def test_only(self) -> bool:
@@ -196,92 +223,101 @@ class FlagEntry:
         return CLASS_GATES[self.cls] + deep
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = self.model_dump()
         d["class"] = d.pop("cls")
         d["gates"] = list(self.effective_gates())
         return d
 
 
-def _str_or_none(value: Any, key: str, where: str) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if not isinstance(value, (str, int, float)):
-        raise FlagRegistryError(f"{where}: {key!r} must be a string or number, got {value!r}")
-    return str(value)
-
-
-def _str_tuple(value: Any, key: str, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise FlagRegistryError(f"{where}: {key!r} must be a list of strings, got {value!r}")
-    return tuple(value)
-
-
-def parse_entry(name: str, data: Mapping[str, Any], source: str = "", base: FlagEntry | None = None) -> FlagEntry:
-    """One ``[flags.NAME]`` table as a FlagEntry; with ``base``, the table's keys replace base's (pure)."""
+def merged_entry(name: str, table: FlagTable, source: str = "", base: FlagEntry | None = None) -> FlagEntry:
+    """A flag's entry from its table in ``source``, over ``base`` (its entry in the files before): the keys the
+    table sets replace base's, its thresholds merge key by key (pure)."""
     where = f"{source or 'registry'} [flags.{name}]"
-    if not isinstance(data, Mapping):
-        raise FlagRegistryError(f"{where}: must be a table")
-    unknown = sorted(set(data) - _ENTRY_KEYS)
-    if unknown:
-        raise FlagRegistryError(f"{where}: unknown key(s) {unknown}; known: {sorted(_ENTRY_KEYS)}")
     check_name(name, where)
-    cur: dict[str, Any] = dataclasses.asdict(base) if base else {}
-    if base:
-        cur["values"], cur["thresholds"] = base.values, base.thresholds
-    if "description" in data:
-        if not isinstance(data["description"], str):
-            raise FlagRegistryError(f"{where}: 'description' must be a string")
-        cur["description"] = data["description"]
-    if not cur.get("description"):
-        raise FlagRegistryError(f"{where}: 'description' is required")
-    if "class" in data:
-        cur["cls"] = data["class"]
-    if cur.get("cls") not in CLASSES:
-        raise FlagRegistryError(f"{where}: 'class' must be one of {CLASSES}, got {cur.get('cls')!r}")
-    for key in ("kind", "component", "notes"):
-        if key in data:
-            if not isinstance(data[key], str):
-                raise FlagRegistryError(f"{where}: {key!r} must be a string")
-            cur[key] = data[key]
-    if cur.get("kind", "") not in KINDS:
-        raise FlagRegistryError(f"{where}: 'kind' must be one of {KINDS}, got {cur.get('kind')!r}")
-    if "values" in data:
-        if not isinstance(data["values"], Mapping):
-            raise FlagRegistryError(f"{where}: 'values' must be a table")
-        cur["values"] = ValueSpec.from_table(data["values"], where)
-    for key in ("default", "production"):
-        if key in data:
-            cur[key] = _str_or_none(data[key], key, where)
-    for key in ("gates", "evidence"):
-        if key in data:
-            cur[key] = _str_tuple(data[key], key, where)
-    if "mechanisms" in data:
-        cur["mechanisms"] = _str_tuple(data["mechanisms"], "mechanisms", where)
-        unknown_mech = [m for m in cur["mechanisms"] if m not in MECHANISM_NAMES]
-        if unknown_mech or len(set(cur["mechanisms"])) != len(cur["mechanisms"]):
-            raise FlagRegistryError(f"{where}: 'mechanisms' must name each of {list(MECHANISM_NAMES)} at most once, "
-                                    f"got {list(cur['mechanisms'])}")
-    bad = sorted(set(cur.get("gates", ())) - KNOWN_GATES)
-    if bad:
-        raise FlagRegistryError(f"{where}: unknown gate(s) {bad}; known: {sorted(KNOWN_GATES)}")
-    if "thresholds" in data:
-        if not isinstance(data["thresholds"], Mapping):
-            raise FlagRegistryError(f"{where}: 'thresholds' must be a table")
-        cur["thresholds"] = Thresholds.from_table(data["thresholds"], where, cur.get("thresholds"))
-    cur["source"] = source if not base else f"{base.source}+{source}"
-    cur["name"] = name
-    entry = FlagEntry(**cur)
-    values = entry.values
-    for key in ("default", "production"):
-        raw = getattr(entry, key)
-        if raw is not None and raw != "" and values.type != "path":
-            try:
-                values.parse(name, raw)
-            except FlagRegistryError as exc:
-                raise FlagRegistryError(f"{where}: {key} {exc}") from None
-    return entry
+    fields = base.model_dump(exclude={"values", "thresholds"}) if base is not None else {}
+    fields.update(table.model_dump(exclude={"values", "thresholds"}, exclude_unset=True))
+    fields.update(name=name, source=source if base is None else f"{base.source}+{source}",
+                  values=table.values or (base.values if base is not None else ValueSpec()),
+                  thresholds=(base.thresholds if base is not None else Thresholds()).merged(table.thresholds))
+    return parse_model(FlagEntry, fields, where, FlagRegistryError)
+
+
+class UnknownKeysFirst(StrictModel):
+    """A file's schema whose first reported problem is a misspelt key, when there is one: it is what a person most
+    likely did (a renamed key is an unknown one plus a default or a missing one), and what the messages of these
+    files have always named first."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_keys_first(cls, data: Any, handler: Any) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+            raise ValidationError.from_exception_data(exc.title, errors) from None
+
+
+class RegistryFile(UnknownKeysFirst):
+    """A flag registry file: ``[registry]`` (its version and references, free form) and ``[flags.NAME]`` tables."""
+
+    registry: dict[str, Any] = {}
+    flags: dict[str, FlagTable] = {}
+
+    @classmethod
+    def explain(cls, problem: Problem, data: Any) -> str | None:
+        """This file's established wording: ``<file> [flags.NAME]: what is wrong``."""
+        loc, value = problem.loc, problem.value
+        if loc == () and problem.kind == "extra_forbidden":
+            return (f"unknown top-level key(s) {sorted(problem.unknown)}; "
+                    "a registry holds [registry] and [flags.NAME] tables")
+        if loc == ("flags",):
+            return "'flags' must be a table of tables"
+        if len(loc) < 2 or loc[0] != "flags":
+            return None
+        entry, rest = f" [flags.{loc[1]}]: ", loc[2:]
+        key = rest[0] if rest else ""
+        if not rest:
+            return entry + (f"unknown key(s) {sorted(problem.unknown)}; known: {sorted(_ENTRY_KEYS)}"
+                            if problem.kind == "extra_forbidden" else "must be a table")
+        if key in ("class", "kind") and problem.kind == "literal_error":
+            allowed = CLASSES if key == "class" else KINDS
+            return entry + f"{key!r} must be one of {allowed}, got {value!r}"
+        if key == "gates" and problem.kind == "literal_error":
+            bad = [g for g in value_at(data, loc[:3]) if g not in KNOWN_GATES]
+            return entry + f"unknown gate(s) {bad}; known: {sorted(KNOWN_GATES)}"
+        if key == "values" and problem.kind == "extra_forbidden":
+            return entry + f"unknown key(s) in 'values': {sorted(problem.unknown)}"
+        if key == "values" and len(rest) == 2 and rest[1] == "type":
+            return entry + f"values.type must be one of {VALUE_TYPES}, got {value!r}"
+        if key == "thresholds" and problem.kind == "extra_forbidden":
+            return entry + f"unknown threshold(s) {sorted(problem.unknown)}; known: {sorted(Thresholds.model_fields)}"
+        if key == "thresholds" and len(rest) == 2:
+            return entry + f"threshold {rest[1]!r} {_threshold_rule(str(rest[1]), problem.kind)}, got {value!r}"
+        if problem.kind == "value_error":
+            return entry + problem.text
+        if key in ("default", "production"):
+            return entry + f"{key!r} must be a string or number, got {value_at(data, loc[:3])!r}"
+        if len(rest) == 1 and problem.kind in ("model_type", "dict_type"):
+            return entry + f"{key!r} must be a table"
+        if key == "values" and len(rest) >= 2:   # values.choices, the one array of the values table
+            return entry + f"values.{rest[1]} must be a list of strings, got {value_at(data, loc[:4])!r}"
+        if key in ("gates", "evidence", "mechanisms"):
+            return entry + f"{key!r} must be a list of strings, got {value_at(data, loc[:3])!r}"
+        return entry + (f"{key!r} must be a string" if problem.kind == "string_type" else problem.text)
+
+
+def _threshold_rule(key: str, kind: str) -> str:
+    """What a threshold must be, in the words its messages have always used."""
+    kind_of = Thresholds.model_fields[key].annotation if key in Thresholds.model_fields else float
+    if kind_of is bool:
+        return "must be bool"
+    if kind_of is str:
+        return "must be str"
+    if key == "alpha" and kind != "float_type":
+        return "must lie in (0, 1)"
+    if key == "speed_tolerance" and kind != "float_type":
+        return "must lie in [0, 1)"
+    return "must be a finite number >= 0"
 
 
 def check_name(name: str, where: str = "registry") -> None:
@@ -321,18 +357,12 @@ class Registry:
 
 def parse_registry(data: Mapping[str, Any], source: str = "", base: Registry | None = None) -> Registry:
     """A registry from parsed TOML, merged over ``base`` (pure)."""
-    unknown = sorted(set(data) - {"flags", "registry"})
-    if unknown:
-        raise FlagRegistryError(f"{source or 'registry'}: unknown top-level key(s) {unknown}; "
-                                "a registry holds [registry] and [flags.NAME] tables")
-    flags = data.get("flags", {})
-    if not isinstance(flags, Mapping):
-        raise FlagRegistryError(f"{source or 'registry'}: 'flags' must be a table of tables")
+    doc = parse_model(RegistryFile, data, source or "registry", FlagRegistryError)
     entries = dict(base.entries) if base else {}
-    for name, table in flags.items():
-        entries[name] = parse_entry(name, table, source, entries.get(name))
-    digest = hashlib.sha256(((base.content_hash if base else "") + repr(sorted(
-        (k, repr(v)) for k, v in entries.items()))).encode()).hexdigest()
+    for name, table in doc.flags.items():
+        entries[name] = merged_entry(name, table, source, entries.get(name))
+    digest = hashlib.sha256(((base.content_hash if base else "") + json.dumps(
+        {k: v.model_dump() for k, v in sorted(entries.items())}, sort_keys=True, default=str)).encode()).hexdigest()
     return Registry(entries, (base.sources if base else ()) + ((source,) if source else ()), "sha256:" + digest)
 
 

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core import metrics
 from core.atomic import atomic_write_text
@@ -80,6 +80,7 @@ from core.schema import Problem, Seq, StrictModel, key_path, parse_model, value_
 from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
+from nightly.flags import UnknownKeysFirst
 from nightly.trends import plot_trends
 
 REPO_ROOT = repo_root()
@@ -139,7 +140,7 @@ class CellTable(StrictModel):
     pytest_args: Seq[str] = ()
 
 
-class NightlyFile(StrictModel):
+class NightlyFile(UnknownKeysFirst):
     """A nightly config file as written (docs/NIGHTLY.md); :func:`parse_config` resolves it into a NightlyConfig."""
 
     nightly: NightlyTable = NightlyTable()
@@ -153,17 +154,6 @@ class NightlyFile(StrictModel):
             out += [(cell_name(p, fs), p, fs, None) for p in self.matrix.profiles for fs in self.matrix.flag_sets]
         out += [(c.name or cell_name(c.profile, c.flags), c.profile, c.flags, c) for c in self.cells]
         return out
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _unknown_keys_first(cls, data: Any, handler: Any) -> NightlyFile:
-        """A misspelt key is reported before anything else (it is what a person is most likely to have done, and
-        a renamed key is an unknown one plus a default or a missing one)."""
-        try:
-            return handler(data)
-        except ValidationError as exc:
-            errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-            raise ValidationError.from_exception_data(exc.title, errors) from None
 
     @model_validator(mode="after")
     def _cells_are_named_once(self) -> NightlyFile:

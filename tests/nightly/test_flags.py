@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -117,16 +116,16 @@ def test_missing_and_unknown(tmp_path):
 
 
 def test_strict_value_parsing():
-    b = ValueSpec("bool")
+    b = ValueSpec(type="bool")
     assert b.parse("F", "On") is True and b.parse("F", "no") is False
     with pytest.raises(FlagRegistryError, match="F='2'"):
         b.parse("F", "2")
-    i = ValueSpec("int", 1, 64)
+    i = ValueSpec(type="int", min=1, max=64)
     assert i.parse("T", "64") == 64
     for bad in ("0", "65", "0x10", "1.5", ""):
         with pytest.raises(FlagRegistryError, match="T="):
             i.parse("T", bad)
-    s = ValueSpec("str", choices=("sm70", "torch"))
+    s = ValueSpec(type="str", choices=("sm70", "torch"))
     assert s.parse("I", "torch") == "torch"
     with pytest.raises(FlagRegistryError, match="not one of"):
         s.parse("I", "cuda")
@@ -267,7 +266,7 @@ def test_speed_verdict():
     assert ab.speed_verdict([100, 102, 98], [95, 93, 97], th).passed          # 5 % slower: within tolerance
     slow = ab.speed_verdict([100, 102, 98], [80, 85, 82], th)
     assert not slow.passed and slow.ratio == pytest.approx(0.82)
-    need = dataclasses.replace(th, require_speedup=True)
+    need = th.model_copy(update={"require_speedup": True})
     assert not ab.speed_verdict([100], [105], need).passed and ab.speed_verdict([100], [115], need).passed
     with pytest.raises(ValueError):
         ab.speed_verdict([], [1.0], th)
