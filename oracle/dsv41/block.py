@@ -105,7 +105,7 @@ class Block:
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE over the rows of `x`, given what its routing may read: the V4.1 router the image mask
         (bias_vl), the V4 router the token ids (hash-routed layers)."""
-        return self.ffn(x, image_mask, num)
+        return self.ffn(x, num, image_mask)
 
     def __call__(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
         ffn_in, pending = self.attention_part(x, pre_in, ctx)

@@ -48,6 +48,11 @@ def expert(x: torch.Tensor, w1, w2, w3, limit: float, num: Numerics, wts: torch.
 
 
 class MoE:
+    """The DeepSeek-V4.1 MoE, and the shape both architectures' MoEs share: the gate's weight, the routed experts
+    (read on use) and the shared expert are loaded here once; a subclass loads its router's own tensors
+    (``load_router``) and routes (``__call__``); ``run_experts`` sums the experts the router picked plus the
+    shared one. moe_v4.MoEV4 is DeepSeek-V4's."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         self.cfg, self.layer_id = cfg, layer_id
         self.n_experts, self.k = cfg.moe_experts(layer_id)
@@ -55,20 +60,37 @@ class MoE:
     def load(self, w: dict, prefix: str) -> "MoE":
         p = prefix + "ffn."
         self.gate = need(w, p + "gate.weight")
-        self.bias = need(w, p + "gate.bias")
-        self.bias_vl = w.get(p + "gate.bias_vl")
         if self.gate.shape[0] != self.n_experts:
             raise ValueError(f"{p}gate.weight has {self.gate.shape[0]} rows, config says {self.n_experts} experts")
+        self.load_router(w, p)
         # experts: a dict name -> tensor, or a lazy mapping that dequantizes on access (§19 memory plan)
         self.w = w
         self.prefix = p
         self.shared = tuple(need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
         return self
 
+    def load_router(self, w: dict, p: str) -> None:
+        """V4.1: the selection bias, and the image tokens' own bias when the vision path is on."""
+        self.bias = need(w, p + "gate.bias")
+        self.bias_vl = w.get(p + "gate.bias_vl")
+
     def expert_weights(self, e: int):
         return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
-    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+    def run_experts(self, x: torch.Tensor, wts: torch.Tensor, idx: torch.Tensor, num: Numerics,
+                    routed_kw: dict, shared_kw: dict) -> torch.Tensor:
+        """x [n, d] through each row's picked experts (weighted) plus the shared expert; `routed_kw` /
+        `shared_kw`: the architecture's activation / GEMM blocks for numerics.qlinear."""
+        y = torch.zeros_like(x)
+        lim = self.cfg.swiglu_limit
+        for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
+            rows, slot = torch.where(idx == e)
+            # no local keeps expert e's weights past this call: a streamed layer reuses their arrays for e + 1
+            y[rows] += expert(x[rows], *self.expert_weights(e), lim, num, wts[rows, slot, None], **routed_kw)
+        return y + expert(x, *self.shared, lim, num, **shared_kw)
+
+    def __call__(self, x: torch.Tensor, num: Numerics, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`image_mask` beside x's rows: image tokens select with bias_vl (§13.1)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         bias = self.bias
@@ -76,11 +98,4 @@ class MoE:
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
         wts, idx = route(x, self.gate, bias, self.k, self.cfg, num, f"router.{self.layer_id}")
-        y = torch.zeros_like(x)
-        lim = self.cfg.swiglu_limit
-        for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
-            rows, slot = torch.where(idx == e)
-            # no local keeps expert e's weights past this call: a streamed layer reuses their arrays for e + 1
-            y[rows] += expert(x[rows], *self.expert_weights(e), lim, num, wts[rows, slot, None])
-        y = y + expert(x, *self.shared, lim, num)
-        return num.r(y).reshape(shape)
+        return num.r(self.run_experts(x, wts, idx, num, {}, {})).reshape(shape)

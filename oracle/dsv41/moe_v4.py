@@ -14,7 +14,7 @@ import torch
 
 from .attention_v4 import V4_ACT_BLOCK
 from .config import ModelConfig
-from .moe import expert, router_scores
+from .moe import MoE, router_scores
 from .numerics import Numerics
 from .weights import need
 
@@ -35,17 +35,14 @@ def route_v4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     return wts * cfg.route_scale, idx
 
 
-class MoEV4:
+class MoEV4(MoE):
     def __init__(self, cfg: ModelConfig, layer_id: int):
-        self.cfg, self.layer_id = cfg, layer_id
+        super().__init__(cfg, layer_id)
         self.n_experts, self.k = cfg.n_routed_experts, cfg.n_activated_experts
         self.hash = cfg.is_hash_layer(layer_id)
 
-    def load(self, w: dict, prefix: str) -> "MoEV4":
-        p = prefix + "ffn."
-        self.gate = need(w, p + "gate.weight")
-        if self.gate.shape[0] != self.n_experts:
-            raise ValueError(f"{p}gate.weight has {self.gate.shape[0]} rows, config says {self.n_experts} experts")
+    def load_router(self, w: dict, p: str) -> None:
+        """A hash-routed layer's token -> experts table (no bias), else the selection bias."""
         if self.hash:
             t = need(w, p + "gate.tid2eid")
             if t.shape != (self.cfg.vocab_size, self.k):
@@ -56,12 +53,6 @@ class MoEV4:
                 raise ValueError(f"{p}gate.tid2eid names experts outside 0..{self.n_experts - 1}")
         else:
             self.tid2eid, self.bias = None, need(w, p + "gate.bias")
-        self.w, self.prefix = w, p
-        self.shared = tuple(need(w, f"{p}shared_experts.{n}.weight") for n in ("w1", "w2", "w3"))
-        return self
-
-    def expert_weights(self, e: int):
-        return tuple(need(self.w, f"{self.prefix}experts.{e}.{n}.weight") for n in ("w1", "w2", "w3"))
 
     def __call__(self, x: torch.Tensor, num: Numerics, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`input_ids` [.., s] beside x's rows: a hash-routed layer picks its experts by them."""
@@ -69,14 +60,8 @@ class MoEV4:
         x = x.reshape(-1, shape[-1])
         wts, idx = route_v4(x, self.gate, self.bias, self.tid2eid, input_ids, self.k, self.cfg, num,
                             f"router.{self.layer_id}")
-        y = torch.zeros_like(x)
-        lim = self.cfg.swiglu_limit
         # fp8 inputs per 128 channels; an FP4 expert's kernel scales its weight per 32 along K
-        kw_routed = dict(block=V4_ACT_BLOCK, gemm_block=32 if self.cfg.expert_dtype == "fp4" else None,
+        routed_kw = dict(block=V4_ACT_BLOCK, gemm_block=32 if self.cfg.expert_dtype == "fp4" else None,
                          fmt=self.cfg.scale_fmt)
-        for e in torch.unique(idx).tolist():  # ascending expert order, like the reference loop
-            rows, slot = torch.where(idx == e)
-            w1, w2, w3 = self.expert_weights(e)
-            y[rows] += expert(x[rows], w1, w2, w3, lim, num, wts[rows, slot, None], **kw_routed)
-        y = y + expert(x, *self.shared, lim, num, block=V4_ACT_BLOCK, fmt=self.cfg.scale_fmt)
-        return num.r(y).reshape(shape)
+        shared_kw = dict(block=V4_ACT_BLOCK, fmt=self.cfg.scale_fmt)
+        return num.r(self.run_experts(x, wts, idx, num, routed_kw, shared_kw)).reshape(shape)

@@ -610,7 +610,7 @@ def test_vision_off_checkpoint_without_bias_vl_loads_and_routes_image_tokens_wit
     from oracle.dsv41.numerics import Numerics
     x = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(0))
     image = torch.tensor([[False, True, True, False, False]])
-    assert torch.equal(moe(x, image, Numerics()), moe(x, None, Numerics()))
+    assert torch.equal(moe(x, Numerics(), image), moe(x, Numerics(), None))
 
 
 def test_release_style_bias_vl_is_still_accepted_with_vision_off(tiny, tmp_path):
