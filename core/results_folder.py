@@ -16,6 +16,8 @@ What lies in a results folder::
     junit.xml, pytest.log                 what the nightly asks its cell's pytest for
     needles_heatmap.png                   the needles gate's figure
     vision_tower.json, vision-tower-work/ the vision tower gate's verdict evidence and its engine's scratch folder
+    kernels.json, kernels-work/           the kernel gate's verdicts and its engine runner's scratch folder
+    engine_bench.json, engine_bench.png   the speed bench's measurements and figure
     evals/                                the task evals' generations and eval records (evals/run.py)
     localize/, localize-flag-<F>/         the localizer's output for a failed panel gate, for a failed flag
 
@@ -228,6 +230,22 @@ class ResultsFolder:
     @property
     def vision_tower_work(self) -> Path:
         return self.path / "vision-tower-work"
+
+    @property
+    def kernels_file(self) -> Path:
+        return self.path / "kernels.json"
+
+    @property
+    def kernels_work(self) -> Path:
+        return self.path / "kernels-work"
+
+    @property
+    def engine_bench_file(self) -> Path:
+        return self.path / "engine_bench.json"
+
+    @property
+    def engine_bench_plot(self) -> Path:
+        return self.path / "engine_bench.png"
 
     @property
     def evals_dir(self) -> Path:

@@ -118,11 +118,6 @@ class GateRun:
     plots: dict[str, str] = dataclasses.field(default_factory=dict)  # report figures (the localizer's)
     coverages: list = dataclasses.field(default_factory=list)      # ds41gates.coverage.ScoredReference
 
-    @property
-    def out_dir(self) -> Path:
-        """The folder's path, for ds41gates/localize_plugin.py until it names its files through ``folder``."""
-        return self.folder.path
-
     def save_engine_record(self, label: str, record) -> None:
         """An engine record this session scored: beside the results, and counted for the session report."""
         self.folder.save_engine_record(label, record)
@@ -541,14 +536,9 @@ def gate_session(request: pytest.FixtureRequest) -> GateSession:
 
 
 @pytest.fixture(scope="session")
-def gate_results(gate_session: GateSession) -> GateRun:
-    """Where a gate writes its verdict (`gate_results.add(GateEntry(...))`) and report sections."""
-    return gate_session.run
-
-
-@pytest.fixture(scope="session")
 def gate_run(gate_session: GateSession) -> GateRun:
-    """The same GateRun as `gate_results`, for the pipeline's fixtures (reference, engine records)."""
+    """What the session's gates measured and where its files go: a gate writes its verdict
+    (`gate_run.add(GateEntry(...))`), report sections, engine records and files (`gate_run.folder`) here."""
     return gate_session.run
 
 

@@ -94,24 +94,24 @@ def batch_runs(engine_client, gate_config, gate_tokenizer):
     return out, solos
 
 
-def test_batch_invariance(batch_runs, engine_endpoint, gate_results, gate_config):
+def test_batch_invariance(batch_runs, engine_endpoint, gate_run, gate_config):
     comparisons, _ = batch_runs
     res = batch.judge(comparisons)
-    gate_results.add(GateEntry("batch_invariance", res.passed, profile=engine_endpoint.profile,
-                               failures=res.failures, metrics=headline(res.summary),
-                               evidence={"summary": res.summary, "scenarios": res.scenarios,
-                                         "comparisons": res.rows, "config": gate_config.for_json("batch")}))
-    gate_results.add_section("Batch invariance (gates.md §5)",
-                             [{k: v for k, v in s.items() if k != "first_divergences"} for s in res.scenarios],
-                             f"{engine_endpoint.profile}: verdict = greedy token ids equal to the solo run; "
-                             f"{res.summary['mismatches']}/{res.summary['comparisons']} mismatches, "
-                             f"{res.summary['bitwise_equal']}/{res.summary['comparisons']} with bitwise-equal logprobs")
+    gate_run.add(GateEntry("batch_invariance", res.passed, profile=engine_endpoint.profile,
+                           failures=res.failures, metrics=headline(res.summary),
+                           evidence={"summary": res.summary, "scenarios": res.scenarios,
+                                     "comparisons": res.rows, "config": gate_config.for_json("batch")}))
+    gate_run.add_section("Batch invariance (gates.md §5)",
+                         [{k: v for k, v in s.items() if k != "first_divergences"} for s in res.scenarios],
+                         f"{engine_endpoint.profile}: verdict = greedy token ids equal to the solo run; "
+                         f"{res.summary['mismatches']}/{res.summary['comparisons']} mismatches, "
+                         f"{res.summary['bitwise_equal']}/{res.summary['comparisons']} with bitwise-equal logprobs")
     assert {c.scenario for c in comparisons} >= {"serial repeat", "heterogeneous companions", "mid-decode arrival"}
     assert res.passed, "batch invariance gate failed:\n" + "\n".join(res.failures)
 
 
 def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_config, gate_tokenizer,
-                                                gate_results):
+                                                gate_run):
     """Violation: a 'copy' that is really a different request (the same class's other bench prompt) must be
     reported as a mismatch with its first diverging position; a truncated output must never count as equal."""
     from panels.bench import encode_chat_prompt, load_bench
@@ -125,8 +125,8 @@ def test_batch_invariance_detects_output_change(batch_runs, engine_client, gate_
     cmp = batch.compare("changed request", name, solo, _out(other))
     truncated = batch.compare("truncated", name, solo, batch.Output(solo.ids[:-3], solo.steps[:-3]))
     res = batch.judge([cmp, truncated])
-    gate_results.add(GateEntry("batch_invariance_violation", not res.passed,
-                               evidence={"caught": res.failures, "comparisons": res.rows}))
+    gate_run.add(GateEntry("batch_invariance_violation", not res.passed,
+                           evidence={"caught": res.failures, "comparisons": res.rows}))
     assert not res.passed
     assert cmp.first_divergence is not None and not cmp.equal_ids, "a changed prompt gave identical ids"
     assert truncated.first_divergence == len(solo.ids) - 3

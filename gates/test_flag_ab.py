@@ -90,13 +90,12 @@ def flag_on(flag_name, flag_registry, ab_profile, launch_engine, engine_endpoint
 
 
 @pytest.fixture(scope="session")
-def on_record(flag_name, flag_on, encoded_panel, engine_endpoint, gate_results):
+def on_record(flag_name, flag_on, encoded_panel, engine_endpoint, gate_run):
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
     rec = score_engine(flag_on, encoded_panel, DEFAULT_ENGINE_K)
     label = f"{engine_endpoint.profile}+{flag_name}"
-    rec.save(gate_results.out_dir / f"engine-{label}.safetensors")
-    gate_results.engines.append((label, rec))
+    gate_run.save_engine_record(label, rec)
     return rec
 
 
@@ -142,11 +141,11 @@ def entry(flag_name, flag_registry):
     return flag_registry.get(flag_name)
 
 
-def _settle(verdict: FlagGateVerdict, entry, gate_results, profile: str) -> None:
+def _settle(verdict: FlagGateVerdict, entry, gate_run, profile: str) -> None:
     """Record the verdict (results.json's flag table and the report section), then pass or fail the test on it."""
-    gate_results.add_flag_verdict(entry.name, entry.cls, entry.kind, profile, verdict)
-    gate_results.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(
-        gate_results.results, {entry.name: entry.effective_gates()}), verdicts.REPORT_NOTE)
+    gate_run.add_flag_verdict(entry.name, entry.cls, entry.kind, profile, verdict)
+    gate_run.add_section(verdicts.REPORT_TITLE, verdicts.report_rows(
+        gate_run.results, {entry.name: entry.effective_gates()}), verdicts.REPORT_NOTE)
     assert verdict.passed, f"flag {entry.name} ({entry.cls}) gate {verdict.gate}: {verdict.why}"
 
 
@@ -163,31 +162,31 @@ def test_flag_registered(flag_name, flag_registry, ab_profile):
 
 
 @guards("bitwise_panel")
-def test_bitwise_panel(entry, panel_engine_record, on_record, gate_results, engine_endpoint):
+def test_bitwise_panel(entry, panel_engine_record, on_record, gate_run, engine_endpoint):
     verdict = verdicts.bitwise_verdict(stats.compare_records_bitwise(panel_engine_record, on_record))
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)
 
 
 @guards("bitwise_greedy")
-def test_bitwise_greedy(entry, off_greedy, on_greedy, gate_results, engine_endpoint):
+def test_bitwise_greedy(entry, off_greedy, on_greedy, gate_run, engine_endpoint):
     off, off_again = off_greedy
     verdict = verdicts.greedy_verdict(stats.compare_generations(off, off_again), stats.compare_generations(off, on_greedy))
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)
 
 
 @guards("kl_band")
-def test_kl_band(entry, panel_reference, on_record, gate_results, engine_endpoint, gate_bands):
+def test_kl_band(entry, panel_reference, on_record, gate_run, engine_endpoint, gate_bands):
     from core.verdicts import judge
 
     band = entry.thresholds.band_profile or engine_endpoint.profile
     _, pg = judge(panel_reference, on_record, band, f"{engine_endpoint.profile}+{entry.name}", gate_bands)
-    gate_results.panel_gates.append(pg)
+    gate_run.panel_gates.append(pg)
     verdict = verdicts.band_verdict(pg.passed, pg.failures, band, pg.summary)
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)
 
 
 @guards("paired_not_worse")
-def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record, gate_results,
+def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record, gate_run,
                           engine_endpoint):
     from core import metrics
 
@@ -195,18 +194,18 @@ def test_paired_not_worse(entry, panel_reference, panel_engine_record, on_record
                                        metrics.position_metrics(panel_reference, on_record), "kl_part")
     verdict = verdicts.paired_verdict(stats.paired_not_worse(paired, entry.thresholds),
                                       stats.compare_records_bitwise(panel_engine_record, on_record))
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)
 
 
 @guards("speed")
-def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_tokens, gate_results):
+def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_tokens, gate_run):
     off_s, on_s = [], []
     for _ in range(request.config.getoption("--ab-speed-rounds")):  # alternate so drift hits both sides
         for endpoint, speeds in ((engine_endpoint, off_s), (flag_on, on_s)):
             _, wall, n = _generate(endpoint, ab_prompts, greedy_tokens)
             speeds.append(n / wall)
     verdict = verdicts.speed_verdict(stats.speed_verdict(off_s, on_s, entry.thresholds))
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)
 
 
 # ------------------------------------------------------------------------------------ at depth (issue 39)
@@ -231,41 +230,41 @@ def depth_reference(depth_items, long_reference):
     return long_reference(depth_items[1])
 
 
-def _depth_record(endpoint, depth_items, depth_reference, gate_results, arm):
+def _depth_record(endpoint, depth_items, depth_reference, gate_run, arm):
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
     lengths, encoded = depth_items
     rec = score_engine(endpoint, encoded, DEFAULT_ENGINE_K)
     ref = depth_reference
-    gate_results.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{list(lengths)}", ref,
-                              arm=arm)
+    gate_run.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{list(lengths)}", ref,
+                          arm=arm)
     return rec
 
 
 @pytest.fixture(scope="session")
-def off_depth_record(engine_endpoint, depth_items, depth_reference, gate_results):
-    return _depth_record(engine_endpoint, depth_items, depth_reference, gate_results, None)
+def off_depth_record(engine_endpoint, depth_items, depth_reference, gate_run):
+    return _depth_record(engine_endpoint, depth_items, depth_reference, gate_run, None)
 
 
 @pytest.fixture(scope="session")
-def on_depth_record(flag_name, flag_on, depth_items, depth_reference, gate_results):
-    return _depth_record(flag_on, depth_items, depth_reference, gate_results, flag_name)
+def on_depth_record(flag_name, flag_on, depth_items, depth_reference, gate_run):
+    return _depth_record(flag_on, depth_items, depth_reference, gate_run, flag_name)
 
 
 @guards("kl_depth")
-def test_kl_depth(entry, depth_items, depth_reference, on_depth_record, gate_results, engine_endpoint, gate_target):
+def test_kl_depth(entry, depth_items, depth_reference, on_depth_record, gate_run, engine_endpoint, gate_target):
     from gates.lib.depth import judge_at_depth
 
     band = entry.thresholds.band_profile or engine_endpoint.profile
     dv = judge_at_depth(depth_reference, on_depth_record, gate_target.bands, band)
-    gate_results.add_section(f"Flag A/B at depth: {entry.name} on, KL / top-1 per depth bucket against the oracle",
-                             list(dv.rows), f"bands per bucket: [depth.{band}] in {gate_target.bands}")
-    _settle(verdicts.depth_band_verdict(dv.passed, dv.failures, band, dv.rows, depth_items[0]), entry, gate_results,
+    gate_run.add_section(f"Flag A/B at depth: {entry.name} on, KL / top-1 per depth bucket against the oracle",
+                         list(dv.rows), f"bands per bucket: [depth.{band}] in {gate_target.bands}")
+    _settle(verdicts.depth_band_verdict(dv.passed, dv.failures, band, dv.rows, depth_items[0]), entry, gate_run,
             engine_endpoint.profile)
 
 
 @guards("bitwise_depth")
-def test_bitwise_depth(entry, off_depth_record, on_depth_record, gate_results, engine_endpoint):
+def test_bitwise_depth(entry, off_depth_record, on_depth_record, gate_run, engine_endpoint):
     verdict = verdicts.bitwise_verdict(stats.compare_records_bitwise(off_depth_record, on_depth_record),
                                        "bitwise_depth")
-    _settle(verdict, entry, gate_results, engine_endpoint.profile)
+    _settle(verdict, entry, gate_run, engine_endpoint.profile)

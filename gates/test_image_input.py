@@ -103,21 +103,21 @@ def _judge(ref, eng, label):
     return judge(ref, eng, PROFILE, label=label, bands_file=BANDS_FILE)
 
 
-def test_image_prompts_match_the_oracle_per_domain(vlm, records, gate_results):
+def test_image_prompts_match_the_oracle_per_domain(vlm, records, gate_run):
     eng = records["eng"].subset(records["image_ids"])
     result, gate = _judge(records["ref"], eng, f"{PROFILE} images")
-    gate_results.add(GateEntry("image_input", gate.passed, profile=PROFILE, failures=gate.failures,
-                               metrics={**headline(gate.summary), "server_start_s": round(vlm["start_s"], 1),
-                                        "oracle_s": round(records["oracle_s"], 1),
-                                        "engine_s": round(records["engine_s"], 1)},
-                               evidence={"summary": gate.summary, "rows": gate.rows}))
+    gate_run.add(GateEntry("image_input", gate.passed, profile=PROFILE, failures=gate.failures,
+                           metrics={**headline(gate.summary), "server_start_s": round(vlm["start_s"], 1),
+                                    "oracle_s": round(records["oracle_s"], 1),
+                                    "engine_s": round(records["engine_s"], 1)},
+                           evidence={"summary": gate.summary, "rows": gate.rows}))
     print(f"\nimage prompts: {gate.summary}")
     assert result.overall.n_positions == records["ref"].subset(records["image_ids"]).n_positions
     assert len(result.domains) >= 8, sorted(result.domains)
     assert gate.passed, "image-input gate failed:\n" + "\n".join(gate.failures)
 
 
-def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_results):
+def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_run):
     from engine.client import score_panel, EngineSource
 
     eng = records["eng"].subset(records["text_ids"])
@@ -134,9 +134,9 @@ def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_
         a = eng.subset([sid]).actual_logprob
         b = plain.subset([sid]).actual_logprob
         rows[sid] = path_agreement(a, b, tol=1e-5)
-    gate_results.add(GateEntry("image_input_text_only", gate.passed and all(r["passed"] for r in rows.values()),
-                               profile=PROFILE, metrics=headline(gate.summary),
-                               evidence={"summary": gate.summary, "paths": rows}))
+    gate_run.add(GateEntry("image_input_text_only", gate.passed and all(r["passed"] for r in rows.values()),
+                           profile=PROFILE, metrics=headline(gate.summary),
+                           evidence={"summary": gate.summary, "paths": rows}))
     print(f"\ntext-only: {gate.summary}; chat vs completions: "
           f"{max(r['max_abs_diff'] for r in rows.values()):.2e}")
     assert all(r["passed"] for r in rows.values()), rows
@@ -146,7 +146,7 @@ def test_text_only_prompts_unchanged_with_the_vision_path_on(vlm, records, gate_
     {"image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD},
     {"resample": 2},
 ], ids=["imagenet-mean-std", "bilinear-resize"])
-def test_wrong_image_preprocessing_on_the_oracle_side_is_caught(vlm, records, wrong, gate_results):
+def test_wrong_image_preprocessing_on_the_oracle_side_is_caught(vlm, records, wrong, gate_run):
     from oracle.hf_vision import HFVisionOracle
 
     enc = vlm["enc"]
@@ -155,8 +155,8 @@ def test_wrong_image_preprocessing_on_the_oracle_side_is_caught(vlm, records, wr
     bad_ref = bad.score(only_images, vlm["panel"])
     _, gate = _judge(bad_ref, records["eng"].subset(records["image_ids"]), f"{PROFILE} wrong {sorted(wrong)}")
     # a check of the checker: it passes when the wrongly preprocessed oracle fails the gate
-    gate_results.add(GateEntry(f"image_input_canfail_{'_'.join(sorted(wrong))}", not gate.passed, profile=PROFILE,
-                               metrics=headline(gate.summary), evidence={"caught": gate.failures}))
+    gate_run.add(GateEntry(f"image_input_canfail_{'_'.join(sorted(wrong))}", not gate.passed, profile=PROFILE,
+                           metrics=headline(gate.summary), evidence={"caught": gate.failures}))
     print(f"\nwrong preprocessing {sorted(wrong)}: {gate.summary}")
     assert not gate.passed, f"an oracle with {wrong} still passed: {gate.summary}"
     # every domain with an image fails (not one lucky domain): the images drive the text after them
@@ -189,7 +189,7 @@ def test_request_shape_and_alignment_against_the_real_server(vlm):
     assert exc.value.kind == Malformed.PROMPT_IDS_MISMATCH
 
 
-def test_readback_greedy_reply_equals_the_oracle_and_depends_on_the_image(vlm, gate_results):
+def test_readback_greedy_reply_equals_the_oracle_and_depends_on_the_image(vlm, gate_run):
     from engine.image_chat import greedy_reply
     from panels.images import encode_image_messages
 
@@ -205,9 +205,9 @@ def test_readback_greedy_reply_equals_the_oracle_and_depends_on_the_image(vlm, g
         v = same_greedy_verdict(eng_ids, ora_ids)
         rows[item.id] = {**v.to_dict(), "engine_text": text, "rendered": item.readback}
         replies[item.id] = tuple(eng_ids)
-    gate_results.add(GateEntry("image_input_readback", all(r["passed"] for r in rows.values()), profile=PROFILE,
-                               failures=[f"{k}: {r['why']}" for k, r in rows.items() if not r["passed"]],
-                               evidence={"replies": rows}))
+    gate_run.add(GateEntry("image_input_readback", all(r["passed"] for r in rows.values()), profile=PROFILE,
+                           failures=[f"{k}: {r['why']}" for k, r in rows.items() if not r["passed"]],
+                           evidence={"replies": rows}))
     print("\nread-back (engine greedy = oracle greedy): " + "; ".join(f"{k}: {r['why']}" for k, r in rows.items()))
     assert len(rows) >= 3
     assert all(r["passed"] for r in rows.values()), rows

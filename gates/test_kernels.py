@@ -44,21 +44,20 @@ def _xfail_if_this_cpu_has_no_such_kernel(error: str | None, runner: dict) -> No
 
 
 @pytest.fixture(scope="module")
-def kernel_run(request, gate_results):
+def kernel_run(request, gate_run):
     python = REGISTRY.engines[ENGINE].resolved_python(cache_dir())
     if not python.exists():
         pytest.skip(f"engine environment {ENGINE!r} not built: {python} missing (scripts/setup-vllm.sh)")
-    out = gate_results.out_dir
     try:
-        runs, info = run_cases(REGISTRY, ENGINE, cache_dir(), out / "kernels-work", SHAPES)
+        runs, info = run_cases(REGISTRY, ENGINE, cache_dir(), gate_run.folder.kernels_work, SHAPES)
     except KernelGateError as e:
         pytest.fail(str(e))
     results = [evaluate(r.entry, r.case, r.outputs, r.report) for r in runs]
-    path = out / "kernels.json"
+    path = gate_run.folder.kernels_file
     write_json_atomic(path, results_document(results, info))
     # the verdicts are the parametrized tests' (one per kernel and shape); this entry names the run and its file
-    gate_results.add(GateEntry("kernels", None, metrics={"cases": len(results), "runner_s": info["runner_s"]},
-                               evidence={"file": str(path)}))
+    gate_run.add(GateEntry("kernels", None, metrics={"cases": len(results), "runner_s": info["runner_s"]},
+                           evidence={"file": str(path)}))
     print(f"\nkernel gate: {len(results)} cases, runner {info['runner_s']:.1f} s -> {path}")
     return {(r.kernel, r.shape): r for r in results}, info["runner"]
 

@@ -83,34 +83,34 @@ def _heatmap_png(cells, path):
     plt.close(fig)
 
 
-def test_needles(needle_runs, engine_endpoint, gate_results, gate_config):
+def test_needles(needle_runs, engine_endpoint, gate_run, gate_config):
     r = needle_runs
     cfg = gate_config.needles
     res = needles.judge(r["cells"], r["burst"], gate_found=cfg.gate_found)
-    png = gate_results.out_dir / "needles_heatmap.png"
+    png = gate_run.folder.needles_heatmap
     _heatmap_png(r["cells"] + r["report_only"], png)
     extra_rows = [{**c.as_row(), "gated": False} for c in r["report_only"]]
-    gate_results.add(GateEntry("needles", res.passed, profile=engine_endpoint.profile, failures=res.failures,
-                               metrics=headline(res.summary),
-                               evidence={"summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
-                                         "max_model_len": r["max_model_len"], "heatmap_png": str(png),
-                                         "report_only_cells": extra_rows, "answer_prefix": cfg.answer_prefix,
-                                         "report_only_found": f"{sum(c.passed for c in r['report_only'])}/"
-                                                              f"{len(r['report_only'])}",
-                                         "config": gate_config.for_json("needles")}))
-    gate_results.add_section("Needles: length × depth (gates.md §7)",
-                             res.heatmap + [{**row, "length": f"{row['length']} (plain question, report-only)"}
-                                            for row in needles.heatmap_rows(r["report_only"])],
-                             f"{engine_endpoint.profile}: {res.summary['found']}/{res.summary['cells']} found, burst == "
-                             f"solo {res.summary['burst_equal']}; grid capped by max_model_len {r['max_model_len']}")
-    gate_results.add_section("Needles: cells", [{**row, "gated": True} for row in res.rows] + extra_rows,
-                             f"exact substring match of the passphrase; gated cells primed with {cfg.answer_prefix!r}; "
-                             "report-only cells ask the plain question (the model's own limit)")
+    gate_run.add(GateEntry("needles", res.passed, profile=engine_endpoint.profile, failures=res.failures,
+                           metrics=headline(res.summary),
+                           evidence={"summary": res.summary, "cells": res.rows, "heatmap": res.heatmap,
+                                     "max_model_len": r["max_model_len"], "heatmap_png": str(png),
+                                     "report_only_cells": extra_rows, "answer_prefix": cfg.answer_prefix,
+                                     "report_only_found": f"{sum(c.passed for c in r['report_only'])}/"
+                                                          f"{len(r['report_only'])}",
+                                     "config": gate_config.for_json("needles")}))
+    gate_run.add_section("Needles: length × depth (gates.md §7)",
+                         res.heatmap + [{**row, "length": f"{row['length']} (plain question, report-only)"}
+                                        for row in needles.heatmap_rows(r["report_only"])],
+                         f"{engine_endpoint.profile}: {res.summary['found']}/{res.summary['cells']} found, burst == "
+                         f"solo {res.summary['burst_equal']}; grid capped by max_model_len {r['max_model_len']}")
+    gate_run.add_section("Needles: cells", [{**row, "gated": True} for row in res.rows] + extra_rows,
+                         f"exact substring match of the passphrase; gated cells primed with {cfg.answer_prefix!r}; "
+                         "report-only cells ask the plain question (the model's own limit)")
     assert res.summary["cells"] == len(r["grid"]) > 0 and r["burst"]
     assert res.passed, "needle gate failed:\n" + "\n".join(res.failures)
 
 
-def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config, gate_tokenizer, gate_results):
+def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config, gate_tokenizer, gate_run):
     """Violation: the filler alone (the needle paragraph cut out of a real haystack) cannot yield the
     passphrase; the gate must report the cell as missed, and judge must fail."""
     from panels.needles import build_haystack
@@ -129,7 +129,7 @@ def test_needles_detects_missing_needle(needle_runs, engine_client, gate_config,
     gen = _engine.complete(engine_client, cut, cfg.max_tokens, 1, ignore_eos=False, seq_id="needle-cut")
     cell = needles.Cell(case.length, case.depth, case.seed, len(cut), hay.actual_depth, hay.passphrase, gen.text)
     res = needles.judge([cell])
-    gate_results.add(GateEntry("needles_violation", not res.passed, evidence={"caught": res.failures,
-                                                                             "cell": cell.as_row()}))
+    gate_run.add(GateEntry("needles_violation", not res.passed, evidence={"caught": res.failures,
+                                                                         "cell": cell.as_row()}))
     assert not cell.passed and not res.passed
     assert "needle missed" in res.failures[0]

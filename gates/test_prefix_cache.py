@@ -132,33 +132,33 @@ def prefix_runs(request, engine_client, engine_endpoint, gate_config, engine_fac
             "skipped": skipped, "cases": kept, "labels": labels}
 
 
-def _not_applicable(r: dict, profile: str, gate_results) -> None:
+def _not_applicable(r: dict, profile: str, gate_run) -> None:
     if "misdeclared" in r:
-        gate_results.add(GateEntry("prefix_cache", False, profile=profile, failures=[r["misdeclared"]]))
+        gate_run.add(GateEntry("prefix_cache", False, profile=profile, failures=[r["misdeclared"]]))
         pytest.fail(f"prefix cache gate on {profile}: {r['misdeclared']}")
     if "not_applicable" in r:
-        gate_results.add(GateEntry("prefix_cache", None, profile=profile,
-                                   failures=[f"not applicable: {r['not_applicable']}"]))
+        gate_run.add(GateEntry("prefix_cache", None, profile=profile,
+                               failures=[f"not applicable: {r['not_applicable']}"]))
         pytest.xfail(f"prefix cache gate not applicable on {profile}: {r['not_applicable']}")
 
 
-def test_prefix_cache(prefix_runs, engine_endpoint, gate_results, gate_config):
+def test_prefix_cache(prefix_runs, engine_endpoint, gate_run, gate_config):
     r = prefix_runs
-    _not_applicable(r, engine_endpoint.profile, gate_results)
+    _not_applicable(r, engine_endpoint.profile, gate_run)
     res = prefix.judge(r["verdicts"])
-    gate_results.add(GateEntry("prefix_cache", res.passed, profile=engine_endpoint.profile, failures=res.failures,
-                               metrics={**headline(res.counts), "f_run": r["f_run"], "kl_tol": r["kl_tol"]},
-                               evidence={"cases": r["rows"], "block_size": r["block"], "passes": r["labels"],
-                                         "not_testable": r["skipped"], "config": gate_config.for_json("prefix")}))
-    gate_results.add_section("Prefix cache: cold vs warm (gates.md §6)", r["rows"],
-                             f"{engine_endpoint.profile}: block size {r['block']}; passes {r['labels']}; "
-                             f"counts {res.counts}; F_run {r['f_run']:.3g}, per-step KL tolerance {r['kl_tol']:.3g}; "
-                             f"not testable (no full shared block): {r['skipped']}")
+    gate_run.add(GateEntry("prefix_cache", res.passed, profile=engine_endpoint.profile, failures=res.failures,
+                           metrics={**headline(res.counts), "f_run": r["f_run"], "kl_tol": r["kl_tol"]},
+                           evidence={"cases": r["rows"], "block_size": r["block"], "passes": r["labels"],
+                                     "not_testable": r["skipped"], "config": gate_config.for_json("prefix")}))
+    gate_run.add_section("Prefix cache: cold vs warm (gates.md §6)", r["rows"],
+                         f"{engine_endpoint.profile}: block size {r['block']}; passes {r['labels']}; "
+                         f"counts {res.counts}; F_run {r['f_run']:.3g}, per-step KL tolerance {r['kl_tol']:.3g}; "
+                         f"not testable (no full shared block): {r['skipped']}")
     assert len(r["labels"]) >= 2 and len(r["verdicts"]) >= 2 * len(r["cases"])
     assert res.passed, "prefix cache gate failed:\n" + "\n".join(res.failures)
 
 
-def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_client, gate_config, gate_results):
+def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_client, gate_config, gate_run):
     """Violations on the live server: (a) a warm request whose prompt differs from the cold one after the
     cached prefix (a real output mismatch) must be FAIL or CORRUPT; (b) a 'warm' request under a fresh
     salt has cached_tokens 0, and the gate must call it INVALID (no hit proven), never PASS."""
@@ -178,8 +178,8 @@ def test_prefix_cache_detects_mismatch_and_missing_hit(prefix_runs, engine_clien
     unsalted = _run(engine_client, case["test"], cfg)      # fresh salt: nothing can be served from cache
     v2 = prefix.classify(case["case"] + " (fresh salt)", cold, unsalted, case["expected"], prefix_runs["kl_tol"])
     caught = v.verdict in prefix.BAD and v.verdict != "INVALID" and v2.verdict == "INVALID"
-    gate_results.add(GateEntry("prefix_cache_violation", caught,
-                               evidence={"mismatch": v.as_row(), "fresh_salt": v2.as_row()}))
+    gate_run.add(GateEntry("prefix_cache_violation", caught,
+                           evidence={"mismatch": v.as_row(), "fresh_salt": v2.as_row()}))
     assert unsalted.cached_tokens == 0
     assert v2.verdict == "INVALID" and "no hit proven" in v2.reason, v2
     assert not prefix.judge([("violation", v), ("violation", v2)]).passed

@@ -56,25 +56,25 @@ def _band(cfg, profile: str = "", flags: tuple[str, ...] = ()) -> sc.Band:
     return sc.Band(cfg.spread_factor, float(mean), float(worst), cfg.top1_decided_min, cfg.min_positions)
 
 
-def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_results):
+def test_self_consistency(sc_runs, gate_config, engine_facts, engine_endpoint, gate_run):
     cfg = gate_config.selfconsistency
     res = sc.judge(sc_runs, _band(cfg, engine_endpoint.profile, engine_endpoint.flags), block=engine_facts["block_size"])
-    gate_results.add(GateEntry("self_consistency", res.passed, profile=engine_endpoint.profile,
-                               failures=res.failures, metrics=headline(res.summary),
-                               evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
-                                         "config": cfg.model_dump(mode="json")}))
+    gate_run.add(GateEntry("self_consistency", res.passed, profile=engine_endpoint.profile,
+                           failures=res.failures, metrics=headline(res.summary),
+                           evidence={"summary": res.summary, "regions": res.rows, "prompts": res.prompts,
+                                     "config": cfg.model_dump(mode="json")}))
     rows = [{k: r[k] for k in ("region", "positions", "kl_part_mean", "kl_part_median", "kl_part_max", "top1_decided",
                               "max_abs_dlogprob_decided", "spread_mean", "band", "pass")} for r in res.rows]
-    gate_results.add_section("Self-consistency: decode vs prefill (gates.md §4)", rows,
-                             f"{engine_endpoint.profile}: {res.summary['prompts']} prompts, {res.summary['positions']} "
-                             f"generated positions; worst prompt mean {res.summary['worst_prompt_mean']:.3g} "
-                             f"(band {res.summary['band_worst']:.3g}); {res.summary['band_rule']}")
+    gate_run.add_section("Self-consistency: decode vs prefill (gates.md §4)", rows,
+                         f"{engine_endpoint.profile}: {res.summary['prompts']} prompts, {res.summary['positions']} "
+                         f"generated positions; worst prompt mean {res.summary['worst_prompt_mean']:.3g} "
+                         f"(band {res.summary['band_worst']:.3g}); {res.summary['band_rule']}")
     assert res.summary["positions"] == sum(len(r.decode[0]) for r in sc_runs) > 0
     assert res.passed, "self-consistency gate failed:\n" + "\n".join(res.failures)
 
 
 def test_self_consistency_detects_wrong_context(sc_runs, engine_client, engine_endpoint, gate_config, gate_tokenizer,
-                                                gate_results):
+                                                gate_run):
     """Violation: the decode steps of prompt A against a prefill that scores the same generated ids after
     another prompt's context (what a decode path reading the wrong KV looks like). The gate must fail."""
     cfg = gate_config.selfconsistency
@@ -85,7 +85,7 @@ def test_self_consistency_detects_wrong_context(sc_runs, engine_client, engine_e
     wrong = _prefill_steps(engine_client, other[2], gen_ids, cfg.k)
     bad = sc.PromptRuns(a.prompt_id + "+wrong-context", a.domain, a.prompt_len, a.decode, (wrong, wrong))
     res = sc.judge([bad], _band(cfg, engine_endpoint.profile, engine_endpoint.flags))
-    gate_results.add(GateEntry("self_consistency_violation", not res.passed,
-                               evidence={"case": bad.prompt_id, "caught": res.failures, "summary": res.summary}))
+    gate_run.add(GateEntry("self_consistency_violation", not res.passed,
+                           evidence={"case": bad.prompt_id, "caught": res.failures, "summary": res.summary}))
     assert not res.passed
     assert any("mean KL_part" in f for f in res.failures), res.failures

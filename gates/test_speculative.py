@@ -85,24 +85,24 @@ def spec_runs(spec_client, engine_client, gate_config, gate_tokenizer):
     return {"checks": checks, "acceptance": acceptance, "plain": plain_out}
 
 
-def test_speculative_decoding(spec_runs, engine_endpoint, gate_results, gate_config):
+def test_speculative_decoding(spec_runs, engine_endpoint, gate_run, gate_config):
     cfg = gate_config.specdec
     res = specdec.judge(spec_runs["checks"], spec_runs["acceptance"], strict=cfg.strict)
-    gate_results.add(GateEntry("speculative_decoding", res.passed, profile=engine_endpoint.profile,
-                               failures=res.failures, metrics=headline(res.summary),
-                               evidence={"summary": res.summary, "lossless": res.lossless_rows,
-                                         "acceptance": res.acceptance_rows, "config": cfg.model_dump(mode="json")}))
-    gate_results.add_section("Speculative decoding: acceptance per domain (gates.md §8)", res.acceptance_rows,
-                             f"{engine_endpoint.profile} + {cfg.speculative_config}: L1 identical "
-                             f"{res.summary['identical']}; α = accepted/proposed, τ = 1 + accepted/drafts "
-                             "(bonus token included), α_j = accepted at position j / drafts")
-    gate_results.add_section("Speculative decoding: L1 greedy losslessness", res.lossless_rows,
-                             "drafted vs plain greedy ids, SHA-256 of the id lists")
+    gate_run.add(GateEntry("speculative_decoding", res.passed, profile=engine_endpoint.profile,
+                           failures=res.failures, metrics=headline(res.summary),
+                           evidence={"summary": res.summary, "lossless": res.lossless_rows,
+                                     "acceptance": res.acceptance_rows, "config": cfg.model_dump(mode="json")}))
+    gate_run.add_section("Speculative decoding: acceptance per domain (gates.md §8)", res.acceptance_rows,
+                         f"{engine_endpoint.profile} + {cfg.speculative_config}: L1 identical "
+                         f"{res.summary['identical']}; α = accepted/proposed, τ = 1 + accepted/drafts "
+                         "(bonus token included), α_j = accepted at position j / drafts")
+    gate_run.add_section("Speculative decoding: L1 greedy losslessness", res.lossless_rows,
+                         "drafted vs plain greedy ids, SHA-256 of the id lists")
     assert len(spec_runs["checks"]) == len(cfg.domains) * cfg.prompts_per_domain
     assert res.passed, "speculative decoding gate failed:\n" + "\n".join(res.failures)
 
 
-def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, gate_results):
+def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, gate_run):
     """Violation: drafted output of a different request (another domain's prompt) against a prompt's plain
     greedy output must fail L1; counters that show drafts without draft tokens must fail draft health."""
     cfg = gate_config.specdec
@@ -114,7 +114,7 @@ def test_speculative_detects_mismatch(spec_runs, spec_client, gate_config, gate_
     assert not bad.equal and bad.first_divergence is not None
     empty = specdec.Acceptance("synthetic", specdec.Counters(10, 0, 0, (0, 0, 0)), cfg.num_speculative_tokens)
     res = specdec.judge([bad], [empty], strict=True)
-    gate_results.add(GateEntry("speculative_decoding_violation", not res.passed, evidence={"caught": res.failures}))
+    gate_run.add(GateEntry("speculative_decoding_violation", not res.passed, evidence={"caught": res.failures}))
     assert not res.passed
     assert any("differs from plain greedy" in f for f in res.failures)
     assert any("empty drafts" in f for f in res.failures)

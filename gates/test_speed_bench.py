@@ -120,7 +120,7 @@ def _medians(r: dict) -> dict[str, float]:
     return out
 
 
-def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
+def test_speed_bench(bench_result, engine_endpoint, gate_run, gate_config):
     from core.atomic import write_json_atomic
 
     r = bench_result
@@ -130,11 +130,10 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
     regress = bench.regressions(_medians(r), best, gate_config.bench.regression_ratio)
     r["regressions"] = regress
     r["best_known"] = best or None
-    out = gate_results.out_dir
-    write_json_atomic(out / "engine_bench.json", r)
-    _plot(r, out / "engine_bench.png")
-    gate_results.add(GateEntry("speed_bench", not r["invalid"] and not regress, profile=engine_endpoint.profile,
-                               failures=[*r["invalid"], *regress], metrics=headline(_medians(r)), evidence=r))
+    write_json_atomic(gate_run.folder.engine_bench_file, r)
+    _plot(r, gate_run.folder.engine_bench_plot)
+    gate_run.add(GateEntry("speed_bench", not r["invalid"] and not regress, profile=engine_endpoint.profile,
+                           failures=[*r["invalid"], *regress], metrics=headline(_medians(r)), evidence=r))
     rows = [{"measure": f"decode {k}", "median": v["decode_tps"]["median"], "min": v["decode_tps"]["min"],
              "max": v["decode_tps"]["max"], "ttft_s": v["ttft_s"]["median"], "identical_texts": v["identical_texts"]}
             for k, v in r["decode"].items()]
@@ -142,9 +141,9 @@ def test_speed_bench(bench_result, engine_endpoint, gate_results, gate_config):
               "max": v["prefill_tps"]["max"], "ttft_s": v["ttft_s"]["median"]} for k, v in r["prefill"].items()]
     rows += [{"measure": f"{k} streams aggregate decode", "median": v["aggregate_decode_tps"],
               "ttft_s": v["ttft_p50"], "per_stream_p50": v["per_stream_decode_tps_p50"]} for k, v in r["streams"].items()]
-    gate_results.add_section("Speed benches (gates.md §9)", rows,
-                             f"{engine_endpoint.profile}: tok/s; {r['definitions']}; best-known: "
-                             f"{'none recorded' if not best else len(best)}")
+    gate_run.add_section("Speed benches (gates.md §9)", rows,
+                         f"{engine_endpoint.profile}: tok/s; {r['definitions']}; best-known: "
+                         f"{'none recorded' if not best else len(best)}")
     assert not r["invalid"], "invalid bench measurements:\n" + "\n".join(r["invalid"])
     assert all(v["decode_tps"]["median"] and v["decode_tps"]["median"] > 0 for v in r["decode"].values())
     assert set(r["streams"]) == {str(n) for n in gate_config.bench.streams}

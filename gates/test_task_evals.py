@@ -16,16 +16,17 @@ from gates.lib.evals import eval_gate
 pytestmark = [pytest.mark.gate, pytest.mark.engine]
 
 
-def test_task_evals(engine_endpoint, gate_config, gate_results, request):
+def test_task_evals(engine_endpoint, gate_config, gate_run, request):
     from pathlib import Path
 
+    from core.results_folder import eval_record_name
     from evals.compare import compare_records
     from evals.records import EvalRecord
     from evals.run import Settings, run_suites
 
     cfg = gate_config.evals
     limits = {"humaneval": cfg.humaneval_limit, "ifeval": cfg.ifeval_limit}
-    out = gate_results.out_dir / "evals"
+    out = gate_run.folder.evals_dir
     recs = {}
     for suite in cfg.suites:
         settings = Settings(max_tokens=cfg.max_tokens, concurrency=cfg.concurrency,
@@ -35,18 +36,18 @@ def test_task_evals(engine_endpoint, gate_config, gate_results, request):
     comparisons = []
     if baseline:
         for suite, rec in recs.items():
-            path = Path(baseline) / f"{suite.replace('+', 'plus')}.eval.json"
+            path = Path(baseline) / eval_record_name(suite)
             if not path.is_file():
                 pytest.fail(f"--eval-baseline {baseline}: no {path.name} (run the same suites there first)")
             comparisons.append(compare_records(EvalRecord.load(path), rec, "baseline", engine_endpoint.profile))
     gate = eval_gate(comparisons, cfg.alpha)
-    gate_results.add(GateEntry("task_evals", gate.passed, profile=engine_endpoint.profile, failures=gate.failures,
-                               metrics={f"{s}.{k}": v for s, r in recs.items() for k, v in headline(r.scores()).items()},
-                               evidence={"baseline": baseline, "comparisons": [c.as_dict() for c in comparisons]}))
-    gate_results.add_section("Task evals", [{"suite": s, "problems": len(r.problems),
-                                             **{k: f"{100 * v:.1f}" for k, v in r.scores().items()}}
-                                            for s, r in recs.items()],
-                             note="greedy replies through the engine; exact McNemar against --eval-baseline")
+    gate_run.add(GateEntry("task_evals", gate.passed, profile=engine_endpoint.profile, failures=gate.failures,
+                           metrics={f"{s}.{k}": v for s, r in recs.items() for k, v in headline(r.scores()).items()},
+                           evidence={"baseline": baseline, "comparisons": [c.as_dict() for c in comparisons]}))
+    gate_run.add_section("Task evals", [{"suite": s, "problems": len(r.problems),
+                                         **{k: f"{100 * v:.1f}" for k, v in r.scores().items()}}
+                                        for s, r in recs.items()],
+                         note="greedy replies through the engine; exact McNemar against --eval-baseline")
     for suite, rec in recs.items():
         assert all(r.n_tokens > 0 for r in rec.problems) or suite == "ifeval", f"{suite}: empty generations"
     if gate.passed is None:

@@ -28,7 +28,7 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 @pytest.fixture(scope="module")
-def tower_run(gate_results):
+def tower_run(gate_run):
     from engine.launcher import VLLM_VENV
     from engine.vision_tower import VisionTowerRunError, run_engine_image_encoder
     from engine.vlm import ensure_tiny_vlm
@@ -49,7 +49,7 @@ def tower_run(gate_results):
     inputs = {n: (pv[0, i], mask[0, i]) for i, n in enumerate(names)}
     inputs.update({f"wrongnorm-{n}": (wpv[0, i], wmask[0, i]) for i, n in enumerate(names)})
     try:
-        engine, report = run_engine_image_encoder(python, model_dir, inputs, gate_results.out_dir / "vision-tower-work",
+        engine, report = run_engine_image_encoder(python, model_dir, inputs, gate_run.folder.vision_tower_work,
                                                   dtypes=("float32", "bfloat16"))
     except VisionTowerRunError as exc:
         pytest.fail(str(exc))
@@ -62,15 +62,15 @@ def _rows(run, dtype, prefix=""):
     return {n: run["engine"][dtype][prefix + n] for n in run["names"]}
 
 
-def test_engine_fp32_image_encoder_matches_the_oracle(tower_run, gate_results):
+def test_engine_fp32_image_encoder_matches_the_oracle(tower_run, gate_run):
     row = tower_gate(_rows(tower_run, "float32"), tower_run["fp32"], tower_run["bf16"], load_registry())
     bf16_row = tower_gate(_rows(tower_run, "bfloat16"), tower_run["fp32"], tower_run["bf16"], load_registry())
     doc = {"fp32": row, "bf16": bf16_row, "runner": {k: v for k, v in tower_run["report"].items() if k != "runs"}}
-    write_json_atomic(gate_results.out_dir / "vision_tower.json", doc)
-    gate_results.add(GateEntry("vision_tower", row["passed"], flag=row["flag"],
-                               failures=[] if row["passed"] else [row["why"]],
-                               evidence={"why": row["why"], "bf16_engine_passed": bf16_row["passed"],
-                                         "bf16_engine_why": bf16_row["why"]}))
+    write_json_atomic(gate_run.folder.vision_tower_file, doc)
+    gate_run.add(GateEntry("vision_tower", row["passed"], flag=row["flag"],
+                           failures=[] if row["passed"] else [row["why"]],
+                           evidence={"why": row["why"], "bf16_engine_passed": bf16_row["passed"],
+                                     "bf16_engine_why": bf16_row["why"]}))
     worst = max(r["engine_rel_l2"] for r in row["images"])
     floor = min(r["floor_rel_l2"] for r in row["images"])
     print(f"\nvision tower (fp32 engine): worst rel. L2 {worst:.2e}, bf16 floor >= {floor:.2e}; "

@@ -32,6 +32,8 @@ def test_every_file_a_run_writes_is_named_inside_the_folder(tmp_path):
              f.pytest_log: "pytest.log", f.report_json: "report.json", f.report_markdown: "report.md",
              f.report_html: "report.html", f.needles_heatmap: "needles_heatmap.png",
              f.vision_tower_file: "vision_tower.json", f.vision_tower_work: "vision-tower-work",
+             f.kernels_file: "kernels.json", f.kernels_work: "kernels-work",
+             f.engine_bench_file: "engine_bench.json", f.engine_bench_plot: "engine_bench.png",
              f.evals_dir: "evals", f.localize_dir: "localize",
              f.localize_flag_dir("VLLM_DS41_HC_FUSED"): "localize-flag-VLLM_DS41_HC_FUSED",
              f.engine_record_file("vllm-cpu-fp32"): "engine-vllm-cpu-fp32.safetensors"}

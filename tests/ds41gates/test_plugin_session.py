@@ -23,20 +23,20 @@ from ds41gates.pytest_plugin import SESSION, GateSession
 pytestmark = [pytest.mark.gate]
 
 
-def test_a_session_object(request, gate_session, gate_results, gate_run):
+def test_a_session_object(request, gate_session, gate_run):
     assert isinstance(gate_session, GateSession) and request.config.stash[SESSION] is gate_session
     assert request.config.pluginmanager.get_plugin("ds41-gates-session") is gate_session
-    assert gate_results is gate_run is gate_session.run
-    gate_results.add(GateEntry("kl_panel", True, profile="stub", metrics={"kl_part_mean": 1e-6}))
-    gate_results.add_section("Stub", [{"row": 1}], "display only")
+    assert gate_run is gate_session.run
+    gate_run.add(GateEntry("kl_panel", True, profile="stub", metrics={"kl_part_mean": 1e-6}))
+    gate_run.add_section("Stub", [{"row": 1}], "display only")
 
 
-def test_b_fails(gate_results):
-    gate_results.add(GateEntry("needles", False, failures=["needle missed"]))
+def test_b_fails(gate_run):
+    gate_run.add(GateEntry("needles", False, failures=["needle missed"]))
     assert False, "needle missed"
 
 
-def test_c_errors(gate_results):
+def test_c_errors(gate_run):
     raise RuntimeError("engine died")
 '''
 

@@ -77,18 +77,18 @@ def test_malformed_answer_makes_the_gate_error_not_pass(tmp_path, body, kind):
 
 # ----------------------------------------------------------------------------------------------- hostile text + key
 OUTPUT_GATE = '''
-def test_model_output_gate(engine_client, gate_results):
+def test_model_output_gate(engine_client, gate_run):
     """Stand-in for a gate that shows model output (needles, decode): the text is the engine's."""
     g = engine_client.generate([1, 2, 3], 3, 2, seq_id="gen")
-    gate_results.add_section("Model output", [{"prompt": "p", "output": g.text}], note="as generated")
+    gate_run.add_section("Model output", [{"prompt": "p", "output": g.text}], note="as generated")
 '''
 
 SECOND_GATE = '''
-def test_zz_tokenizer_gate(engine_client, gate_results):
+def test_zz_tokenizer_gate(engine_client, gate_run):
     """Stand-in for a later gate: its engine call is refused with an error text the engine chose."""
     from core.results import GateEntry
 
-    gate_results.add(GateEntry("zz_partial", None, metrics={"measured": 1}))
+    gate_run.add(GateEntry("zz_partial", None, metrics={"measured": 1}))
     engine_client.tokenize("hello")
 '''
 
