@@ -97,7 +97,7 @@ def _write_profile(tmp_path: Path, mode: str = "ok", **extra: object) -> Path:
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     fields: dict[str, object] = {
         "name": f"fake-{mode}",
-        "engine": "fake",
+        "engine": "vllm",
         "served_model": "fake",
         "command": ["{python}", "{profile_dir}/fake_server.py"],
         "args": ["--port", "{port}", "--pidfile", "{profile_dir}/pids.json", "--mode", mode],
@@ -219,7 +219,7 @@ def test_profile_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match=r"broken\.toml: unknown key\(s\) \['portt'\]"):
         load_profile(p)
     p.write_text("command = [\n")
-    with pytest.raises(ProfileError, match="broken.toml: not valid TOML"):
+    with pytest.raises(ProfileError, match="broken.toml: cannot read engine profile: not valid TOML"):
         load_profile(p)
     p.write_text('command = []\n')
     with pytest.raises(ProfileError, match="'command' is required"):
