@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.paths import release_results_dir
 from core.records import Record
 from core.results import GateResults
+from core.results_folder import ResultsFolder
 from ds41gates import pipeline
 from ds41gates.cli import main
 from engine.profiles import PROFILES_DIR, ProfileError, load_profile
@@ -64,8 +64,7 @@ def _earlier_pass_run(folder: Path) -> dict[str, bytes]:
     """A results folder as an earlier PASS run left it: claimed (its run marker), results.json, an engine record,
     a PASS report set."""
     ref, eng, _ = pair_of_records(np.random.default_rng(0), n_seq=4, length=12, noise=0.0)
-    pipeline.results_dir(folder)
-    release_results_dir(folder)
+    ResultsFolder.claim(folder).release()
     eng.save(folder / "engine-vllm-cpu-fp32.safetensors")
     (folder / "results.json").write_text(json.dumps({"kl_panel": {"passed": True}}))
     pipeline.write_report(ref, [("vllm-cpu-fp32", eng)], folder)
@@ -73,24 +72,24 @@ def _earlier_pass_run(folder: Path) -> dict[str, bytes]:
     return snapshot(folder)
 
 
-def test_pipeline_refuses_a_results_folder_that_holds_another_run(tmp_path):
+def test_a_results_folder_that_holds_another_run_is_refused(tmp_path):
     folder = tmp_path / "today"
     before = _earlier_pass_run(folder)
     with pytest.raises(Exception) as exc:
-        pipeline.results_dir(folder)
+        ResultsFolder.claim(folder)
     assert type(exc.value).__name__ == "ResultsDirError"
     assert "not empty" in str(exc.value) and "--replace-results" in str(exc.value)
     assert snapshot(folder) == before          # refused before anything was touched
 
 
-def test_pipeline_replace_clears_the_earlier_run_first(tmp_path):
+def test_replace_clears_the_earlier_run_first(tmp_path):
     folder = tmp_path / "today"
     _earlier_pass_run(folder)
     (folder / "evals").mkdir()
     (folder / "evals" / "x.eval.json").write_text("{}")
-    out = pipeline.results_dir(folder, replace=True)
-    release_results_dir(folder)
-    assert out == folder
+    out = ResultsFolder.claim(folder, replace=True)
+    out.release()
+    assert out.path == folder
     left = sorted(p.name for p in folder.iterdir())
     assert left == [".ds41-results", ".ds41-results.lock"], left   # this run's marker and lock: nothing else
 
@@ -100,14 +99,14 @@ def test_replace_never_clears_a_folder_that_is_not_a_results_folder(tmp_path):
     home.mkdir()
     (home / "thesis.tex").write_text("precious")
     with pytest.raises(Exception, match="carries no ds41-gates run marker"):
-        pipeline.results_dir(home, replace=True)
+        ResultsFolder.claim(home, replace=True)
     assert (home / "thesis.tex").read_text() == "precious"
 
 
 def test_default_results_folders_are_fresh_per_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    first, second = pipeline.results_dir(None), pipeline.results_dir(None)
-    assert first != second and first.parent == second.parent == Path("results")
+    first, second = ResultsFolder.claim_or_fresh(None), ResultsFolder.claim_or_fresh(None)
+    assert first != second and first.path.parent == second.path.parent == Path("results")
 
 
 def test_demo_refuses_a_reused_out_before_any_work(tmp_path, capsys, monkeypatch):

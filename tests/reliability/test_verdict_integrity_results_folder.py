@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from core.errors import ResultsDirError
-from core.paths import RUN_LOCK, RUN_MARKER, claim_results_dir, read_marker, release_results_dir
+from core.paths import RUN_LOCK, RUN_MARKER
 from core.results import GateResults
-from ds41gates import pipeline
+from core.results_folder import ResultsFolder
 from tests.core.recordkit import pair_of_records
 from tests.reliability.helpers import gate_session_env
 
@@ -36,8 +36,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 def _claimed_earlier_run(folder: Path) -> dict[str, bytes]:
     """A results folder as an earlier, finished run left it: claimed (its marker), results.json, a report."""
-    claim_results_dir(folder)
-    release_results_dir(folder)
+    ResultsFolder.claim(folder).release()
     (folder / "results.json").write_text(json.dumps({"kl_panel": {"passed": True}}))
     (folder / "report.json").write_text("{}")
     return tree(folder)
@@ -56,7 +55,7 @@ def test_replace_refuses_a_folder_that_only_holds_a_results_named_file(tmp_path,
     (repo / sign).write_text("{}")
     before = tree(repo)
     with pytest.raises(ResultsDirError) as exc:
-        pipeline.results_dir(repo, replace=True)
+        ResultsFolder.claim(repo, replace=True)
     msg = str(exc.value)
     assert str(repo) in msg and "run marker" in msg and "--replace-results" in msg, msg
     assert tree(repo) == before and sorted(os.listdir(repo)) == sorted([".git", "src", sign])
@@ -76,46 +75,46 @@ def test_a_file_merely_named_like_the_marker_marks_nothing(tmp_path, marker):
         (folder / RUN_MARKER).write_text(marker)
     before = tree(folder)
     with pytest.raises(ResultsDirError, match="no ds41-gates run marker"):
-        pipeline.results_dir(folder, replace=True)
+        ResultsFolder.claim(folder, replace=True)
     assert tree(folder) == before
 
 
 def test_replace_clears_a_folder_an_earlier_run_claimed_and_marks_it_anew(tmp_path):
     folder = tmp_path / "today"
     _claimed_earlier_run(folder)
-    old_id = read_marker(folder)["run_id"]
+    old_id = ResultsFolder.of(folder).marker().run_id
     (folder / "evals").mkdir()
     (folder / "evals" / "x.eval.json").write_text("{}")
     try:
-        assert pipeline.results_dir(folder, replace=True) == folder
+        assert ResultsFolder.claim(folder, replace=True).path == folder
         assert sorted(os.listdir(folder)) == [RUN_MARKER, RUN_LOCK]
-        marker = read_marker(folder)
-        assert marker["run_id"] != old_id and marker["pid"] == os.getpid() and marker["created"]
+        marker = ResultsFolder.of(folder).marker()
+        assert marker.run_id != old_id and marker.pid == os.getpid() and marker.created
     finally:
-        release_results_dir(folder)
+        ResultsFolder.of(folder).release()
 
 
 # ================================================================================ locked for the run
 
 def test_a_claimed_folder_is_locked_until_released(tmp_path):
     folder = tmp_path / "today"
-    claim_results_dir(folder)
+    claimed = ResultsFolder.claim(folder)
     try:
-        holder = read_marker(folder)["run_id"]
+        holder = claimed.marker().run_id
         (folder / "results.json").write_text("{}")
         before = tree(folder)
         for replace in (False, True):     # another run of this process (the plugin's in-process tests)
             with pytest.raises(ResultsDirError) as exc:
-                claim_results_dir(folder, replace=replace)
+                ResultsFolder.claim(folder, replace=replace)
             assert str(folder) in str(exc.value)
         assert tree(folder) == before
-        release_results_dir(tmp_path / "nothing-held-here")     # a no-op: nothing held there
+        ResultsFolder.of(tmp_path / "nothing-held-here").release()     # a no-op: nothing held there
     finally:
-        release_results_dir(folder)
+        claimed.release()
     # released: the next run may replace it
-    assert claim_results_dir(folder, replace=True) == folder
-    release_results_dir(folder)
-    assert holder != read_marker(folder)["run_id"]
+    again = ResultsFolder.claim(folder, replace=True)
+    again.release()
+    assert again.path == folder and holder != again.marker().run_id
 
 
 # the first session's gate waits (holding the folder) until the test lets it finish
@@ -170,13 +169,14 @@ def test_two_sessions_on_one_folder_the_second_is_refused_and_the_first_keeps_it
         while not started.exists():
             assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.stdout else ""
             time.sleep(0.05)
-        holder = read_marker(results)
+        marker = ResultsFolder.of(results).marker()
+        holder = marker.run_id
         for extra in ((), ("--replace-results",)):
             second = _session(tmp_path / "w2", results, ERROR_GATES, *extra)
             err = second.stdout + second.stderr
             assert second.returncode == 4, err                  # a usage error: no gate of the second ran
-            assert str(results) in err and holder["run_id"] in err and "in use by" in err, err
-        assert read_marker(results) == holder
+            assert str(results) in err and holder in err and "in use by" in err, err
+        assert ResultsFolder.of(results).marker() == marker      # the first run's marker, untouched
     finally:
         go_on.write_text("x")
         out, _ = first.communicate(timeout=120)
