@@ -431,7 +431,7 @@ class Record:
     def load(cls, path: str | os.PathLike, *, trust_unhashed: bool = False) -> "Record":
         """Read and check a record. A record without ``content_sha256`` (written before records were hashed, or
         by another tool) is refused unless ``trust_unhashed`` — the caller vouches for the file; a stored hash
-        is always checked. ``python -m core.records rehash PATH`` writes the hash into a trusted old record."""
+        is always checked. ``ds41gate rehash PATH`` writes the hash into a trusted old record."""
         path = Path(path)
         if not path.is_file():
             raise RecordError(f"{path}: no such record file")
@@ -475,7 +475,7 @@ class Record:
         if stored is None and not trust_unhashed:
             raise RecordError(f"{path}: record has no content_sha256 (written before records were hashed, or by "
                               "another tool), so an edit of it would go unnoticed; if you trust this file, re-hash "
-                              f"it: python -m core.records rehash {path} (in code: Record.load(path, "
+                              f"it: ds41gate rehash {path} (in code: Record.load(path, "
                               "trust_unhashed=True))")
         if stored is not None and stored != _content_sha256(arrays, seq_ids, domains, k, mechanism_names):
             raise RecordError(f"{path}: the record's arrays, ids or domains do not match its content_sha256 "
@@ -671,28 +671,3 @@ def rehash(path: str | os.PathLike) -> str:
     rec.save(path)
     with safe_open(str(path), framework="numpy") as f:
         return f.metadata()["content_sha256"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m core.records rehash PATH [PATH ...]``: one line per file; errors are one line, exit 2."""
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2 or args[0] != "rehash":
-        print("usage: python -m core.records rehash PATH [PATH ...]  (write content_sha256 into trusted old "
-              "records)", file=sys.stderr)
-        return 2
-    for p in args[1:]:
-        try:
-            digest = rehash(p)
-        except UserError as exc:
-            from core.errors import one_line
-
-            print(f"error: {one_line(exc)}", file=sys.stderr)
-            return 2
-        print(f"{p}: content_sha256 {digest}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

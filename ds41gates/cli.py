@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -27,6 +29,57 @@ def version() -> None:
     typer.echo(__version__)
 
 
+@app.command()
+def serve(
+    profile: Optional[str] = typer.Argument(None, help="a shipped profile name or a .toml path (none: list them)"),
+    flag: list[str] = typer.Option([], "--flag", help="turn on a profile flag (repeatable)"),
+    port: Optional[int] = typer.Option(None, "--port", help="serve on this port instead of the profile's"),
+    list_profiles: bool = typer.Option(False, "--list", help="list the shipped profiles"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved command and environment, and exit"),
+) -> None:
+    """Start an engine from its profile, print its URL, serve until Ctrl-C, then stop its whole process group."""
+    import sys
+    import time
+
+    from core.redact import redact
+    from engine.launcher import EngineServer, EngineStartError, redact_argv, redact_env, resolve
+    from engine.profiles import available_profiles, load_profile
+    from engine.supervise import log_tail
+
+    if list_profiles or profile is None:
+        typer.echo("\n".join(available_profiles()))
+        return
+    overrides = {"port": port} if port is not None else None
+    if dry_run:
+        spec = resolve(load_profile(profile).with_overrides(overrides), flag)
+        typer.echo(" ".join(redact_argv(spec.argv)))
+        for key, value in redact_env(spec.env).items():
+            typer.echo(f"  {key}={value}")
+        return
+    try:
+        with EngineServer(profile, overrides=overrides, flags=flag) as srv:
+            typer.echo(f"{srv.base_url}  model={srv.served_model}  log={srv.log_path}")
+            while srv.running():
+                time.sleep(1.0)
+            print(f"server exited; log tail:\n{log_tail(srv.log_path)}", file=sys.stderr)
+            raise typer.Exit(1)
+    except EngineStartError as exc:   # the engine's own failure (its log tail included): not the user's input
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def rehash(paths: list[Path] = typer.Argument(..., help="record files (.safetensors) you trust")) -> None:
+    """Write content_sha256 into trusted old records (made before records carried it); one line per file.
+    A record that fails any other check stays refused."""
+    from core.records import rehash as rehash_record
+
+    for path in paths:
+        typer.echo(f"{path}: content_sha256 {rehash_record(path)}")
+
+
 # (module, attribute, command name): sub-apps are mounted when their package provides them.
 SUB_APPS = [
     ("panels.cli", "panel_app", "panel"),
@@ -39,6 +92,7 @@ SUB_APPS = [
     ("ds41gates.evals", "eval_compare_app", "eval-compare"),
     ("ds41gates.evals", "ifeval_panel_app", "ifeval-panel"),
     ("ds41gates.localize", "localize_cmd", "localize"),
+    ("ds41gates.setup", "setup_app", "setup"),
 ]
 
 for module_name, attr, name in SUB_APPS:

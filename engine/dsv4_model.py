@@ -5,16 +5,14 @@ by ``oracle.dsv41.tiny_v4.write_tiny_v4_checkpoint`` (seed 0, MXFP4 experts; ``e
 unquantized form of the same model). The folder name carries the
 writer's code hash, so a change to the writer generates a new checkpoint instead of serving a stale one.
 It is written into a temporary folder beside its destination and renamed into place (a folder that
-exists is complete); a file lock serialises concurrent builders. ``python -m engine.dsv4_model`` builds
+exists is complete); a file lock serialises concurrent builders. ``ds41gate setup dsv4-tiny`` builds
 it if needed and prints the path (scripts/setup-engines.sh does this).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,18 +74,3 @@ def ensure_dsv4_tiny_bf16(cache: Path | None = None, report: Reporter | None = N
     """The same model unquantized (bf16 linears holding the decoded fp8 / MXFP4 values): what a CPU with
     AVX512-BF16 but no AMX can serve (what profile vllm-cpu-dsv4 serves; flag ``fp8_weights`` the release form)."""
     return ensure_dsv4_tiny(cache, expert_dtype="bf16", report=report)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.dsv4_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--cache", type=Path, default=None, help="cache root (default $DS41_CACHE)")
-    ap.add_argument("--bf16", action="store_true", help="also the unquantized form")
-    a = ap.parse_args(argv)
-    print(f"dsv4_tiny_dir={ensure_dsv4_tiny(a.cache)}")
-    if a.bf16:
-        print(f"dsv4_tiny_bf16_dir={ensure_dsv4_tiny_bf16(a.cache)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 The profile schema and its parser are engine/profiles.py; the process-group discipline (stop the whole
 group, the atexit / signal safety net) is engine/supervise.py. This module resolves a profile into exactly
 what will run (``resolve`` -> ``LaunchSpec``), runs it (``EngineServer``), shares servers within a process
-(``session_server``) and is the ``python -m engine.launcher`` command.
+(``session_server``); ``ds41gate serve`` is its command.
 
 Placeholders ``{name}`` in command, args, env values, health_url and log_file are resolved at launch
 (only the ones used are computed): ``vllm_python``, ``llama_python`` (engine venvs under the cache,
@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from core.redact import REDACTED, SECRET_NAME, redact, register_secret
+from core.redact import REDACTED, SECRET_NAME, register_secret
 from core.redact import redact_env as _redact_env
 from engine import supervise
 from engine.environment import engine_base_env
@@ -499,45 +499,3 @@ def stop_session_servers() -> None:
     while _session:
         _, server = _session.popitem()
         server.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m engine.launcher PROFILE [--flag F]``: start, print the URL, serve until Ctrl-C."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m engine.launcher")
-    ap.add_argument("profile", nargs="?", help=f"one of {available_profiles()} or a .toml path")
-    ap.add_argument("--flag", action="append", default=[], help="turn on a profile flag (repeatable)")
-    ap.add_argument("--port", type=int, default=None)
-    ap.add_argument("--list", action="store_true", help="list the shipped profiles")
-    ap.add_argument("--dry-run", action="store_true", help="print the resolved command and exit")
-    args = ap.parse_args(argv)
-    if args.list or not args.profile:
-        print("\n".join(available_profiles()))
-        return 0
-    overrides = {"port": args.port} if args.port is not None else None
-    try:
-        if args.dry_run:
-            spec = resolve(load_profile(args.profile).with_overrides(overrides), args.flag)
-            print(" ".join(redact_argv(spec.argv)))
-            for k, v in redact_env(spec.env).items():
-                print(f"  {k}={v}")
-            return 0
-        with EngineServer(args.profile, overrides=overrides, flags=args.flag) as srv:
-            print(f"{srv.base_url}  model={srv.served_model}  log={srv.log_path}", flush=True)
-            while srv.running():
-                time.sleep(1.0)
-            print(f"server exited; log tail:\n{log_tail(srv.log_path)}", file=sys.stderr)
-            return 1
-    except ProfileError as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return 2
-    except EngineStartError as exc:
-        print(f"error: {redact(str(exc))}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

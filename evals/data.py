@@ -256,8 +256,3 @@ def fetch_all() -> list[str]:
     load_humaneval()
     load_ifeval()
     return out
-
-
-if __name__ == "__main__":
-    for line in fetch_all():
-        print(line)

@@ -24,7 +24,7 @@ echo "cache=${DS41_CACHE:-$HOME/.cache/ds41-gates}"
 echo "vllm_python=$vllm_venv/bin/python"
 echo "llama_python=$llama_venv/bin/python"
 echo "llama_server=$llama_server"
-.venv/bin/python -m engine.models
-.venv/bin/python -m engine.dsv4_model
+.venv/bin/ds41gate setup smollm2
+.venv/bin/ds41gate setup dsv4-tiny
 # the tiny random-weight VLM the image-input gate serves (engine/vlm.py; cached, keyed by the writer's hash)
-echo "vlm_dir=$(.venv/bin/python -m engine.vlm)"
+echo "vlm_dir=$(.venv/bin/ds41gate setup tiny-vlm)"

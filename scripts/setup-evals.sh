@@ -19,4 +19,4 @@ if [ ! -x /usr/bin/python3 ]; then
   echo "[setup-evals] /usr/bin/python3 (the sandbox interpreter) is missing: apt-get install python3" >&2
   exit 1
 fi
-.venv/bin/python -m evals.data >&2
+.venv/bin/ds41gate setup eval-data >&2

@@ -150,7 +150,7 @@ def test_hf_dir_missing_files_is_refused(tmp_path: Path, smol: SmolLM2Paths) -> 
 
 def test_cli_prints_paths(smol: SmolLM2Paths) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.models", "--json"],
+        [sys.executable, "-m", "ds41gates.cli", "setup", "smollm2", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

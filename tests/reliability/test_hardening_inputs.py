@@ -2,7 +2,7 @@
 traceback and never a silent number; secrets are never written.
 
 One test per class of finding, each with several inputs; the CLI is run as a subprocess
-(``python -m ds41gates.cli ...``, ``python -m engine.launcher ...``, ``python -m pytest`` gate sessions) and
+(``python -m ds41gates.cli ...``, ``ds41gate serve ...``, ``python -m pytest`` gate sessions) and
 the exit code and the first line of the message are asserted.
 """
 
@@ -207,7 +207,7 @@ PROFILE_OK = 'command = ["{python}", "-c", "pass"]\nserved_model = "m"\n'
 def test_engine_profiles_refuse_unknown_keys_and_bad_values(tmp_path, text, message):
     path = tmp_path / "p.toml"
     path.write_bytes(b"# \xff\n" + PROFILE_OK.encode() if text is None else text.encode())
-    rc, first, out = run(str(path), "--dry-run", module="engine.launcher")
+    rc, first, out = run("serve", str(path), "--dry-run")
     assert_one_line_error(rc, first, out, str(path), message)
 
 

@@ -1,7 +1,7 @@
 """Verdict integrity, records side (issue 27): records are whole or refused.
 
 * a record without ``content_sha256`` is refused on load, the message naming the explicit way to re-hash a
-  trusted file (``python -m core.records rehash PATH``; ``Record.load(..., trust_unhashed=True)``) — before,
+  trusted file (``ds41gate rehash PATH``; ``Record.load(..., trust_unhashed=True)``) — before,
   any edit of such a file gave a silent, different number;
 * arrays of another dtype than the format's (float16 logprobs, int32 ids) are refused — before, only the
   dtype kind was checked;
@@ -63,7 +63,7 @@ def test_record_without_content_sha256_is_refused_with_the_rehash_command(tmp_pa
         Record.load(eng_path)
     msg = str(ei.value)
     assert str(eng_path) in msg and "content_sha256" in msg and "\n" not in msg
-    assert f"python -m core.records rehash {eng_path}" in msg and "trust_unhashed=True" in msg
+    assert f"ds41gate rehash {eng_path}" in msg and "trust_unhashed=True" in msg
 
 
 def test_an_edit_of_an_unhashed_record_gives_no_number(tmp_path):
@@ -84,7 +84,7 @@ def test_rehash_command_makes_a_trusted_old_record_loadable(tmp_path):
     ref_path, eng_path = _pair(tmp_path)
     original = Record.load(eng_path)
     _rewrite(eng_path, drop_meta=["content_sha256"])
-    out = subprocess.run([sys.executable, "-m", "core.records", "rehash", str(eng_path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "ds41gates.cli", "rehash", str(eng_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert str(eng_path) in out.stdout
@@ -99,7 +99,7 @@ def test_rehash_refuses_a_record_that_is_not_whole(tmp_path):
     lp = load_file(str(eng_path))["actual_logprob"].copy()
     lp[0] = 0.5
     _rewrite(eng_path, arrays={"actual_logprob": lp}, drop_meta=["content_sha256"])
-    out = subprocess.run([sys.executable, "-m", "core.records", "rehash", str(eng_path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "ds41gates.cli", "rehash", str(eng_path)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and "not a valid logprob" in out.stderr
