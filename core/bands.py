@@ -1,6 +1,8 @@
 """Pass bands and the per-domain verdict of the KL panel gate (gates.md §3, "Pass rule").
 
-The bands file belongs to whoever gates (the gate suite ships gates/bands.toml); callers pass its path."""
+The bands file belongs to whoever gates (the gate suite ships gates/bands.toml); callers pass its path. Its schema
+is `BandsFile` (core/schema.py): ``[profiles.PROFILE.DOMAIN]`` and ``[depth.PROFILE.BUCKET]`` tables of the four
+band keys, a ``default`` band in each profile; the whole file is checked whichever profile is asked for."""
 
 from __future__ import annotations
 
@@ -8,11 +10,16 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import pydantic
+from pydantic import Field, StrictFloat
 
 from core.depth import BUCKET_LABELS
 from core.domains import DOMAINS
 from core.errors import UserError
 from core.metrics import GroupReport, PanelMetrics
+from core.schema import STRICT, Problem, StrictModel, parse_model, value_at
 from core.tomlfile import read_toml
 
 
@@ -20,12 +27,16 @@ class BandsError(UserError, ValueError):
     pass
 
 
-@dataclass(frozen=True)
+Amount = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[StrictFloat, Field(ge=0, le=1)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True, config=STRICT)
 class Band:
-    kl_mean: float
-    kl_p99: float
-    top1_decided: float
-    ln_ppl: float
+    kl_mean: Amount
+    kl_p99: Amount
+    top1_decided: Fraction
+    ln_ppl: Amount
 
 
 @dataclass
@@ -53,60 +64,66 @@ BAND_KEYS = {"kl_mean": "a number >= 0", "kl_p99": "a number >= 0", "top1_decide
              "ln_ppl": "a number >= 0"}
 
 
-def _band(path: Path, where: str, values: object) -> Band:
-    if not isinstance(values, dict):
-        raise BandsError(f"{path}: {where} must be a table of {sorted(BAND_KEYS)}, got {values!r:.60}")
-    unknown = sorted(set(values) - set(BAND_KEYS))
-    if unknown:
-        raise BandsError(f"{path}: {where}: unknown key(s) {unknown}; allowed: {sorted(BAND_KEYS)}")
-    missing = sorted(set(BAND_KEYS) - set(values))
-    if missing:
-        raise BandsError(f"{path}: {where}: missing key(s) {missing}")
-    out = {}
-    for key, allowed in BAND_KEYS.items():
-        v = values[key]
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-        if ok and key == "top1_decided":
-            ok = v <= 1
-        if not ok:
-            raise BandsError(f"{path}: {where}.{key} = {v!r}; must be {allowed}")
-        out[key] = float(v)
-    return Band(**out)
+def _bands_table(name: str, keys: tuple[str, ...]) -> type[StrictModel]:
+    """One profile's table of bands: a required ``default`` band and an optional band for each key of ``keys``
+    (a domain, a depth bucket): a misspelled key is an unknown key, a missing default a missing one."""
+    fields: dict[str, Any] = {key: (Optional[Band], None) for key in keys}
+    return pydantic.create_model(name, __base__=StrictModel, default=(Band, ...), **fields)
+
+
+DomainBands = _bands_table("DomainBands", DOMAINS)
+DepthBands = _bands_table("DepthBands", BUCKET_LABELS)
+_SECTIONS = {"profiles": ("domain", ("default",) + DOMAINS), "depth": ("depth bucket", ("default",) + BUCKET_LABELS)}
+
+
+class BandsFile(StrictModel):
+    """A bands file: per profile, the KL panel's bands by domain and the long-context gate's by depth bucket."""
+
+    profiles: dict[str, DomainBands] = {}   # type: ignore[valid-type]
+    depth: dict[str, DepthBands] = {}       # type: ignore[valid-type]
+
+    def bands(self, section: str) -> dict[str, dict[str, Band]]:
+        """``{profile: {domain or bucket: Band}}`` of one section, the bands a profile leaves out absent."""
+        return {name: {key: band for key, band in table if band is not None}
+                for name, table in getattr(self, section).items()}
+
+    @classmethod
+    def explain(cls, problem: Problem, data: Any) -> str | None:
+        # the bands file's established wording: `profiles.P.D.key = value; must be ...`
+        loc, kind = problem.loc, problem.kind
+        if kind == "extra_forbidden":
+            keys = list(problem.unknown)
+            if not loc:
+                return f"unknown top-level key(s) {keys}; allowed: ['depth', 'profiles']"
+            if len(loc) == 2:
+                what, allowed = _SECTIONS[str(loc[0])]
+                return f"{loc[0]}.{loc[1]}.{keys[0]}: unknown {what}; allowed: {list(allowed)}"
+            return f"{'.'.join(map(str, loc))}: unknown key(s) {keys}; allowed: {sorted(BAND_KEYS)}"
+        where = ".".join(map(str, loc))
+        value = value_at(data, loc)
+        if len(loc) == 1:
+            return f"'{loc[0]}' must be a table of profile tables"
+        if len(loc) == 2:
+            return f"{where} must be a table of {_SECTIONS[str(loc[0])][0]} bands, got {value!r:.60}"
+        if len(loc) == 3:
+            if kind == "missing":
+                return f"{loc[0]}.{loc[1]} has no 'default' band"
+            return f"{where} must be a table of {sorted(BAND_KEYS)}, got {value!r:.60}"
+        if len(loc) == 4 and kind == "missing":
+            return f"{'.'.join(map(str, loc[:3]))}: missing key(s) {[loc[3]]}"
+        if len(loc) == 4:
+            return f"{where} = {value!r}; must be {BAND_KEYS[str(loc[3])]}"
+        return None
 
 
 def parse_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
     """Every profile's bands, every key and value checked (the whole file, not just the profile asked for)."""
-    unknown = sorted(set(data) - {"profiles", "depth"})
-    if unknown:
-        raise BandsError(f"{path}: unknown top-level key(s) {unknown}; allowed: ['depth', 'profiles']")
-    parse_depth_bands(data, path)
-    return _band_tables(data, path, "profiles", ("default",) + DOMAINS, "domain")
-
-
-def _band_tables(data: dict, path: Path, section: str, allowed: tuple[str, ...], kind: str) -> dict[str, dict[str, Band]]:
-    """``[SECTION.PROFILE.KEY]`` band tables: every profile a table, every KEY in `allowed`, a 'default' band each."""
-    tables = data.get(section, {})
-    if not isinstance(tables, dict):
-        raise BandsError(f"{path}: '{section}' must be a table of profile tables")
-    out: dict[str, dict[str, Band]] = {}
-    for name, table in tables.items():
-        if not isinstance(table, dict):
-            raise BandsError(f"{path}: {section}.{name} must be a table of {kind} bands, got {table!r:.60}")
-        bands = {}
-        for key, values in table.items():
-            if key not in allowed:
-                raise BandsError(f"{path}: {section}.{name}.{key}: unknown {kind}; allowed: {list(allowed)}")
-            bands[key] = _band(path, f"{section}.{name}.{key}", values)
-        if "default" not in bands:
-            raise BandsError(f"{path}: {section}.{name} has no 'default' band")
-        out[name] = bands
-    return out
+    return parse_model(BandsFile, data, str(path), BandsError).bands("profiles")
 
 
 def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
     path = Path(path)
-    data = read_toml(path, "bands file", BandsError)
-    profiles = parse_bands(data, path)
+    profiles = parse_bands(read_toml(path, "bands file", BandsError), path)
     bands = profiles.get(profile) or profiles.get("default")
     if bands is None:
         raise BandsError(f"{path}: no bands for profile {profile!r} and no [profiles.default]")
@@ -115,8 +132,8 @@ def load_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:
 
 def parse_depth_bands(data: dict, path: Path) -> dict[str, dict[str, Band]]:
     """The per-depth-bucket bands (issue 39): ``[depth.PROFILE.BUCKET]`` tables (BUCKET a core.depth label or
-    ``default``), the same four keys as a domain band, every one checked."""
-    return _band_tables(data, path, "depth", ("default",) + BUCKET_LABELS, "depth bucket")
+    ``default``), the same four keys as a domain band, every one checked (the whole file is)."""
+    return parse_model(BandsFile, data, str(path), BandsError).bands("depth")
 
 
 def load_depth_bands(profile: str, path: str | os.PathLike) -> dict[str, Band]:

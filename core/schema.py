@@ -156,7 +156,8 @@ def _default_text(kind: str, msg: str, value: Any) -> str:
 
 
 def problems_of(model: Any, exc: pydantic.ValidationError) -> list[Problem]:
-    """A ValidationError's problems in order, the unknown keys of one table gathered into one problem."""
+    """A ValidationError's problems, the unknown keys of one table gathered into one problem and put first: a
+    misspelled key is both unknown and (as the key meant) missing, and the unknown one says what to fix."""
     out: list[Problem] = []
     unknown_at: dict[tuple[int | str, ...], list[str]] = {}
     for detail in exc.errors(include_url=False):
@@ -182,7 +183,7 @@ def problems_of(model: Any, exc: pydantic.ValidationError) -> list[Problem]:
             text = f"unknown key(s) {keys}" + (f"; known: {list(known)}" if known else "")
             problem = Problem(problem.loc, problem.kind, None, text, tuple(keys), known)
         done.append(problem)
-    return done
+    return sorted(done, key=lambda problem: problem.kind != "extra_forbidden")
 
 
 def describe(model: Any, problem: Problem, data: Any) -> str:

@@ -84,7 +84,12 @@ def test_cross_field_rule_is_named_at_the_file():
 
 
 def test_several_problems_report_the_first_and_count_the_rest():
-    assert _message({"name": 1, "ratio": "x", "bad": 0}).startswith("x.toml: name: must be a string, got 1 (and 2 more)")
+    assert _message({"name": 1, "ratio": "x"}) == "x.toml: name: must be a string, got 1 (and 1 more)"
+
+
+def test_an_unknown_key_is_reported_before_the_missing_one_it_was_meant_to_be():
+    assert _message({"nmae": "a"}) == \
+        "x.toml: unknown key(s) ['nmae']; known: ['args', 'gate', 'name', 'ratio'] (and 1 more)"
 
 
 def test_key_path_forms():
