@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.launcher import EngineServer, group_members, load_profile  # noqa: E402
+from engine.launcher import EngineServer  # noqa: E402
+from engine.profiles import load_profile  # noqa: E402
+from engine.supervise import group_members  # noqa: E402
 
 PROMPT = "The capital of France is"
 IDS = [504, 3575, 282, 4649, 314]

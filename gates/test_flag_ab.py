@@ -77,7 +77,7 @@ def ab_profile(request) -> str:
 def flag_on(flag_name, flag_registry, ab_profile, launch_engine, engine_endpoint):
     """The endpoint of the profile launched with the flag on (refused before launch when the preflight fails):
     the off side's own flags (--engine-flag) plus this one, so the two differ in exactly this flag."""
-    from engine.launcher import load_profile
+    from engine.profiles import load_profile
 
     check = check_profile(load_profile(ab_profile), flag_registry, [flag_name])
     if not check.ok:
@@ -153,7 +153,7 @@ def _settle(verdict: FlagGateVerdict, entry, gate_run, profile: str) -> None:
 
 def test_flag_registered(flag_name, flag_registry, ab_profile):
     """The flag is in the registry, the profile has its [flags.NAME] table, no unknown / test-only VLLM_DS41_*."""
-    from engine.launcher import load_profile
+    from engine.profiles import load_profile
 
     entry = flag_registry.get(flag_name)
     check = check_profile(load_profile(ab_profile), flag_registry, [flag_name])

@@ -90,7 +90,7 @@ def applicability(request, engine_endpoint, engine_facts) -> prefix.Applicabilit
     """The profile under test (None for --engine-url without --engine-profile) and the flags it runs with decide
     whether caching is expected; the engine's report is checked against that, never taken as the answer."""
     from engine.endpoint import DEFAULT_PROFILE
-    from engine.launcher import load_profile
+    from engine.profiles import load_profile
 
     name = request.config.getoption("--engine-profile") or (
         None if request.config.getoption("--engine-url") else DEFAULT_PROFILE)

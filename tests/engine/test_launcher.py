@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import launcher
+from engine import launcher, profiles
 from engine.launcher import EngineServer, EngineStartError, resolve
 from engine.profiles import ProfileError, load_profile, parse_profile
 from engine.supervise import group_members
@@ -155,7 +155,7 @@ def _get(url: str) -> dict:
 
 
 def test_shipped_profiles_resolve_to_the_documented_commands() -> None:
-    assert set(launcher.available_profiles()) >= {
+    assert set(profiles.available_profiles()) >= {
         "vllm-cpu-fp32", "vllm-cpu-bf16", "llamacpp-f32", "llamacpp-q4_1"
     }
     fake = {

@@ -15,7 +15,7 @@ from core import metrics
 from core.records import Record
 from core.results import FlagGateVerdict, GateResults
 from engine.adapters.base import Generation, PositionLogprobs
-from engine.launcher import load_profile, parse_profile
+from engine.profiles import load_profile, parse_profile
 from nightly import flag_ab as ab
 from nightly.flags import (CLASS_GATES, FlagRegistryError, Thresholds, ValueSpec, check_profile,
                            lane_of, load_registry, load_registry_file, parse_registry)
