@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
+
 from core.errors import UserError
 
 SANDBOX_PYTHON = "/usr/bin/python3"     # the system interpreter: lives in /usr, the one tree mounted
@@ -112,23 +114,10 @@ def _take_slot() -> int:
 def _pids_of_uid(uid: int, running_only: bool = False) -> list[int]:
     """Processes whose real uid is ``uid`` (they count against that uid's RLIMIT_NPROC, zombies included);
     ``running_only`` leaves out zombies (dead, waiting for a parent to reap them: they run nothing)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            uid_here, zombie = None, False
-            for line in (entry / "status").read_text().split("\n"):
-                if line.startswith("State:"):
-                    zombie = line.split()[1] in ("Z", "X")
-                elif line.startswith("Uid:"):
-                    uid_here = int(line.split()[1])
-                    break
-            if uid_here == uid and not (running_only and zombie):
-                pids.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue            # the process ended while we looked
-    return pids
+    gone = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) if running_only else ()
+    return [proc.pid for proc in psutil.process_iter(["uids", "status"])
+            # info is None for a field the process took with it when it ended while we looked
+            if proc.info["uids"] is not None and proc.info["uids"].real == uid and proc.info["status"] not in gone]
 
 
 def _free_uid(slot: int) -> int:
