@@ -1,15 +1,18 @@
 """The nightly history database (SQLite, stdlib): runs, cells, gate results, metrics, flag verdicts.
 
-Schema (``SCHEMA_VERSION`` 2; a version-1 file is migrated in place on open)::
+Schema (``SCHEMA_VERSION`` 3; a version-1 or -2 file is migrated in place on open)::
 
     runs(id, started, finished, config_name, config_path, config_hash, git_commit, host, status, exit_code, out_dir)
     cells(run_id, cell, profile, flags, pytest_exit, duration_s, status, results_dir)
-    gate_results(run_id, cell, gate, outcome, duration_s, message)         -- one row per gate test case
+    gate_results(run_id, cell, gate, outcome, duration_s, message, nodeid, phase)  -- one row per gate test node
     metrics(run_id, cell, name, value, per_prompt)                        -- per_prompt: JSON list or NULL
     flag_verdicts(run_id, cell, flag, class, gate, passed, why, outcome)  -- one row per EXPECTED gate of a flag
 
-``outcome`` of a gate: passed | failed | error | skipped | xfailed (version 1 could not hold an xfail: junit writes
-it as a skip, so the outcomes now come from the typed results.json). ``flag_verdicts.outcome`` adds ``missing``
+A gate row is one ``core.results.GateOutcome`` of the cell's typed results.json (the one outcome type: the history
+stores it and reads it back as one), keyed by ``gate``, the junit-style id the history has always keyed by
+(:func:`history_id`), so a baseline written before the outcomes were typed still compares; ``nodeid`` and ``phase``
+are the outcome's own (NULL in rows before version 3). ``outcome``: passed | failed | error | skipped | xfailed
+(version 1 could not hold an xfail: junit writes it as a skip). ``flag_verdicts.outcome`` adds ``missing``
 (expected by the flag's class, never ran); version-1 rows have none (their ``passed`` is all they say).
 
 ``status`` of a run: ``green`` (every gate of every cell passed), ``red`` (failures, no regression against a
@@ -27,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from core.results import Aggregate, GateResults, GateTally, aggregate
+from core.results import Aggregate, GateOutcome, GateResults, GateTally, aggregate
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 
 SCHEMA = """
@@ -49,7 +52,8 @@ CREATE TABLE IF NOT EXISTS cells(
 CREATE TABLE IF NOT EXISTS gate_results(
     run_id INTEGER NOT NULL REFERENCES runs(id), cell TEXT NOT NULL, gate TEXT NOT NULL,
     outcome TEXT NOT NULL CHECK(outcome IN ('passed', 'failed', 'error', 'skipped', 'xfailed')),
-    duration_s REAL NOT NULL, message TEXT NOT NULL, PRIMARY KEY(run_id, cell, gate));
+    duration_s REAL NOT NULL, message TEXT NOT NULL,
+    nodeid TEXT, phase TEXT CHECK(phase IN ('setup', 'call', 'teardown')), PRIMARY KEY(run_id, cell, gate));
 CREATE TABLE IF NOT EXISTS metrics(
     run_id INTEGER NOT NULL REFERENCES runs(id), cell TEXT NOT NULL, name TEXT NOT NULL,
     value REAL, per_prompt TEXT, PRIMARY KEY(run_id, cell, name));
@@ -67,16 +71,17 @@ class HistoryError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class GateOutcome:
-    gate: str            # junit id: "file::test[param]"
-    outcome: str         # passed | failed | error | skipped | xfailed
-    duration_s: float = 0.0
-    message: str = ""
+def history_id(nodeid: str) -> str:
+    """A gate node as the history keys it: junit's spelling of the pytest node id (``gates/test_x.py::Cls::test_y[p]``
+    → ``gates.test_x.Cls::test_y[p]``), what the history was keyed by when outcomes came from junit, so a baseline of
+    that time still compares. Idempotent: an id already spelt so is returned as it is."""
+    path, *rest = nodeid.split("::")
+    return "::".join([".".join([path.removesuffix(".py").replace("/", "."), *rest[:-1]]), rest[-1]]) if rest else path
 
-    @property
-    def failed(self) -> bool:
-        return self.outcome in ("failed", "error")
+
+def failed(outcome: GateOutcome) -> bool:
+    """Whether a gate node ended red by itself (failed, or errored: neither passed nor failed)."""
+    return outcome.outcome in ("failed", "error")
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,15 @@ class CellRecord:
     pytest_exit: int
     duration_s: float
     results_dir: str
-    gates: list[GateOutcome] = field(default_factory=list)
+    gates: list[GateOutcome] = field(default_factory=list)          # the cell's typed outcomes (results.json)
     metrics: list[Metric] = field(default_factory=list)
     flag_verdicts: list[FlagVerdict] = field(default_factory=list)
     red_findings: tuple[str, ...] = ()    # findings against the baseline that make this cell red (the runner's)
+    durations: dict[str, float] = field(default_factory=dict)       # wall seconds per gate node id
 
     @property
     def green(self) -> bool:
-        return (self.pytest_exit == 0 and bool(self.gates) and not any(g.failed for g in self.gates)
+        return (self.pytest_exit == 0 and bool(self.gates) and not any(failed(g) for g in self.gates)
                 and not self.red_findings and all(a.passed for a in self.flag_aggregates().values()))
 
     def flag_aggregates(self) -> dict[str, Aggregate]:
@@ -147,26 +153,33 @@ def connect(path: str | Path) -> sqlite3.Connection:
     if row is None:
         with conn:
             conn.execute("INSERT INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),))
-    elif row[0] == "1":
-        _migrate_from_1(conn)
+    elif row[0] in ("1", "2"):
+        _migrate(conn, int(row[0]))
     elif int(row[0]) != SCHEMA_VERSION:
         conn.close()
         raise HistoryError(f"{path}: history schema version {row[0]}, this harness writes {SCHEMA_VERSION}")
     return conn
 
 
-def _migrate_from_1(conn: sqlite3.Connection) -> None:
-    """Version 1 → 2 in one transaction: gate_results may hold 'xfailed' (SQLite changes a CHECK only by
-    rebuilding the table), flag_verdicts gains its outcome column (NULL for the old rows)."""
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    """An older file made version 3 in one transaction. From 1: gate_results rebuilt (it may hold 'xfailed' now, and
+    SQLite changes a CHECK only by rebuilding the table; the rebuilt table has version 3's columns), flag_verdicts
+    gains its outcome column (NULL for the old rows). From 2: gate_results gains nodeid and phase (NULL for the old
+    rows)."""
     conn.execute("BEGIN")   # explicit: the sqlite3 module opens no transaction before DDL by itself
     try:
-        conn.execute("ALTER TABLE gate_results RENAME TO gate_results_v1")
-        conn.execute("DROP INDEX IF EXISTS gate_results_cell")
-        for stmt in SCHEMA.split(";"):
-            if "gate_results" in stmt:
-                conn.execute(stmt)
-        conn.execute("INSERT INTO gate_results SELECT * FROM gate_results_v1")
-        conn.execute("DROP TABLE gate_results_v1")
+        if version == 1:
+            conn.execute("ALTER TABLE gate_results RENAME TO gate_results_v1")
+            conn.execute("DROP INDEX IF EXISTS gate_results_cell")
+            for stmt in SCHEMA.split(";"):
+                if "gate_results" in stmt:
+                    conn.execute(stmt)
+            conn.execute("INSERT INTO gate_results(run_id, cell, gate, outcome, duration_s, message) "
+                         "SELECT * FROM gate_results_v1")
+            conn.execute("DROP TABLE gate_results_v1")
+        else:
+            conn.execute("ALTER TABLE gate_results ADD COLUMN nodeid TEXT")
+            conn.execute("ALTER TABLE gate_results ADD COLUMN phase TEXT CHECK(phase IN ('setup', 'call', 'teardown'))")
         if "outcome" not in {r[1] for r in conn.execute("PRAGMA table_info(flag_verdicts)")}:
             conn.execute("ALTER TABLE flag_verdicts ADD COLUMN outcome TEXT CHECK(outcome IN ('passed', 'failed', "
                          "'error', 'skipped', 'xfailed', 'missing'))")
@@ -200,8 +213,9 @@ def insert_run(db: str | Path, *, started: str, finished: str, config_name: str,
             conn.execute("INSERT INTO cells VALUES(?,?,?,?,?,?,?,?)",
                          (run_id, r(c.cell), r(c.profile), r(json.dumps(list(c.flags))), c.pytest_exit, c.duration_s,
                           "green" if c.green else "red", r(c.results_dir)))
-            conn.executemany("INSERT OR REPLACE INTO gate_results VALUES(?,?,?,?,?,?)",
-                             [(run_id, r(c.cell), r(g.gate), g.outcome, g.duration_s, r(g.message)) for g in c.gates])
+            conn.executemany("INSERT OR REPLACE INTO gate_results VALUES(?,?,?,?,?,?,?,?)",
+                             [(run_id, r(c.cell), r(history_id(g.nodeid)), g.outcome, c.durations.get(g.nodeid, 0.0),
+                               r(g.detail or ""), r(g.nodeid), g.phase) for g in c.gates])
             conn.executemany("INSERT OR REPLACE INTO metrics VALUES(?,?,?,?,?)",
                              [(run_id, r(c.cell), r(m.name), m.value,
                                None if m.per_prompt is None else json.dumps(list(m.per_prompt))) for m in c.metrics])
@@ -225,9 +239,14 @@ def load_cell(db: str | Path, run_id: int, cell: str) -> CellRecord | None:
         if row is None:
             return None
         rec = CellRecord(row[0], row[1], tuple(json.loads(row[2])), row[3], row[4], row[5])
-        rec.gates = [GateOutcome(*r) for r in conn.execute(
-            "SELECT gate, outcome, duration_s, message FROM gate_results WHERE run_id=? AND cell=? ORDER BY gate",
-            (run_id, cell))]
+        for gate, outcome, duration_s, message, nodeid, phase in conn.execute(
+                "SELECT gate, outcome, duration_s, message, nodeid, phase FROM gate_results WHERE run_id=? AND cell=? "
+                "ORDER BY gate", (run_id, cell)):
+            # a row before version 3 kept neither the node id nor the phase: its history id stands for the node
+            # (history_id of it is itself), and "call" for the phase, which nothing compares
+            nodeid = nodeid or gate
+            rec.gates.append(GateOutcome(nodeid, nodeid.rsplit("::", 1)[-1], outcome, phase or "call", message or None))
+            rec.durations[nodeid] = duration_s
         rec.metrics = [Metric(n, v, None if pp is None else tuple(json.loads(pp))) for n, v, pp in conn.execute(
             "SELECT name, value, per_prompt FROM metrics WHERE run_id=? AND cell=? ORDER BY name", (run_id, cell))]
         rec.flag_verdicts = [FlagVerdict(f, c, g, bool(p), w, o or "") for f, c, g, p, w, o in conn.execute(

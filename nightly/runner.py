@@ -27,12 +27,13 @@ Config (TOML)::
                                              # the engine, which starts from its profile's env)
 
 Each cell runs ``python -m pytest GATES -m gate --engine-profile P --flag F ... --results DIR --junitxml
-DIR/junit.xml --per-prompt-metrics`` as a subprocess; its junit XML, results.json, per_prompt.json and report
-are collected, stored in the history DB (nightly.history), and compared with the cell's last green run:
+DIR/junit.xml --per-prompt-metrics`` as a subprocess; its typed results.json and per_prompt.json are read
+(core.results_folder.ResultsFolder; junit.xml is written for CI's test viewers, never read back), stored in the
+history DB (nightly.history), and compared with the cell's last green run:
 
 * a **gate regression**: a gate that passed in the baseline did not pass now, for any reason: failed, errored,
-  skipped, xfailed or not run at all (each named with its outcome); outcomes come from the cell's typed
-  results.json (junit writes an xfail as a skip), junit only for what results.json does not hold;
+  skipped, xfailed or not run at all (each named with its outcome); a cell whose pytest did not finish or whose
+  results.json is missing or unreadable is an error (``nightly::cell_ran``), never green;
 * a **skip** while DS41_REQUIRE_ENGINES=1 is a finding of its own, baseline or not;
 * a **metric regression**: a per-prompt metric (mean KL_part of each engine record vs the oracle) whose
   paired difference (now − baseline, per prompt) has an upper 95% bootstrap bound above
@@ -60,7 +61,6 @@ import subprocess
 import sys
 import threading
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -68,14 +68,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from core import metrics
 from core.atomic import atomic_write_text
-from core.errors import UserError
+from core.errors import UserError, one_line
 from core.paths import repo_root, safe_name
 from core.redact import known_secrets, redact, redact_command, redact_data, register_argv, register_secret, \
     scrub_file, secret_env_name
-from core.results import FILE_NAME as RESULTS_FILE
-from core.results import GateResults, ResultsError
+from core.results import GateOutcome, GateResults, ResultsError
+from core.results_folder import PerPrompt, PerPromptError, ResultsFolder
 from core.schema import Problem, Seq, StrictModel, key_path, parse_model, value_at
 from core.tomlfile import read_toml
 from nightly import history as H
@@ -84,7 +83,6 @@ from nightly.flags import UnknownKeysFirst
 from nightly.trends import plot_trends
 
 REPO_ROOT = repo_root()
-PER_PROMPT_FORMAT = "ds41-per-prompt/1"
 DEFAULT_GATES = ("gates/test_kl_panel.py", "gates/test_flag_ab.py")
 EXIT_GREEN, EXIT_REGRESSION, EXIT_FAILURES = 0, 1, 3
 
@@ -318,8 +316,10 @@ def check_cells(cfg: NightlyConfig) -> None:
 # --------------------------------------------------------------------------------------------- one cell
 
 def cell_argv(cfg: NightlyConfig, cell: Cell, cell_dir: Path, python: str = sys.executable) -> list[str]:
+    folder = ResultsFolder.of(cell_dir)
+    # junit.xml only for CI's test viewers (the workflow publishes it); the nightly reads results.json
     argv = [python, "-m", "pytest", *(cell.gates or cfg.gates), "-m", "gate", "-p", "no:cacheprovider",
-            "--engine-profile", cell.profile, "--results", str(cell_dir), "--junitxml", str(cell_dir / "junit.xml"),
+            "--engine-profile", cell.profile, "--results", str(folder.path), "--junitxml", str(folder.junit_file),
             "--per-prompt-metrics", "-rfE"]
     for r in cfg.registry:
         argv += ["--flag-registry", str(r if Path(r).is_absolute() else REPO_ROOT / r)]
@@ -328,31 +328,11 @@ def cell_argv(cfg: NightlyConfig, cell: Cell, cell_dir: Path, python: str = sys.
     return argv + list(cfg.pytest_args) + list(cell.pytest_args)
 
 
-def parse_junit(path: Path) -> list[H.GateOutcome]:
-    """junit XML (pytest's) → one GateOutcome per test case, id ``classname::name``."""
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError) as exc:
-        raise NightlyConfigError(f"{path}: cannot read junit XML ({exc})") from None
-    out = []
-    for case in root.iter("testcase"):
-        gate = f"{case.get('classname', '')}::{case.get('name', '')}"
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (el.get("message") or (el.text or "")).strip()[:2000]
-                break
-        out.append(H.GateOutcome(gate, outcome, float(case.get("time") or 0.0), message))
-    return out
-
-
 def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def cell_metrics(results: GateResults | None, per_prompt: Mapping[str, Any] | None) -> list[H.Metric]:
+def cell_metrics(results: GateResults | None, per_prompt: PerPrompt | None) -> list[H.Metric]:
     """What a cell's results.json / per_prompt.json hold, as history metrics (pure): the KL panel gate's headline
     numbers, each flag A/B gate's tracked numbers, each engine record's per-prompt mean KL_part."""
     out: list[H.Metric] = []
@@ -364,79 +344,43 @@ def cell_metrics(results: GateResults | None, per_prompt: Mapping[str, Any] | No
             for key, value in (("ratio", v.ratio), ("mean_diff", v.mean_diff), ("max_abs_diff", v.max_abs_diff)):
                 if value is not None:
                     out.append(H.Metric(f"flag_ab.{flag.flag}.{v.gate}.{key}", _finite(value)))
-    for label, data in sorted(((per_prompt or {}).get("engines") or {}).items()):
-        vals = tuple(_finite(x) for x in data.get("kl_part", []))
+    for label, means in sorted((per_prompt.engines if per_prompt is not None else {}).items()):
+        vals = tuple(_finite(x) for x in means.kl_part)
         finite = [x for x in vals if x is not None]
         out.append(H.Metric(f"kl_part_prompt_mean[{label}]", float(np.mean(finite)) if finite else None, vals))
     return out
 
 
-def per_prompt_metrics(reference, engines: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """per_prompt.json of a gate session: each engine record's per-prompt mean KL_part against the reference
-    (None where a prompt has no finite, unambiguous position) and its count of infinite positions (pure)."""
-    out: dict[str, Any] = {"format": PER_PROMPT_FORMAT, "seq_ids": list(reference.seq_ids),
-                           "domains": list(reference.domains), "engines": {}}
-    for label, rec in engines:
-        pm = metrics.position_metrics(reference, rec)
-        keep = np.isfinite(pm.kl_part) & ~pm.ambiguous
-        means = metrics.per_prompt_means(pm.kl_part[keep], pm.seq[keep], len(reference.seq_ids))
-        out["engines"][label] = {"kl_part": [float(m) if np.isfinite(m) else None for m in means],
-                                 "hard_fails": int(np.sum(~np.isfinite(pm.kl_part)))}
-    return out
-
-
-def _read_results(path: Path) -> GateResults | None:
-    """A cell's results.json (None when its pytest wrote none); one of another format is a config error."""
-    if not path.exists():
-        return None
-    try:
-        return GateResults.load(path)
-    except ResultsError as exc:
-        raise NightlyConfigError(str(exc)) from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise NightlyConfigError(f"{path}: unreadable JSON ({exc})") from None
-
-
-def junit_id(nodeid: str) -> str:
-    """A pytest node id as junit names the case (``gates/test_x.py::Cls::test_y[p]`` → ``gates.test_x.Cls::test_y[p]``),
-    the id the history has always keyed gates by."""
-    path, *rest = nodeid.split("::")
-    return "::".join([".".join([path.removesuffix(".py").replace("/", "."), *rest[:-1]]), rest[-1]]) if rest else path
-
-
-def cell_outcomes(junit: Sequence[H.GateOutcome], results: GateResults | None) -> list[H.GateOutcome]:
-    """The cell's gate outcomes (pure): the typed results.json's for every gate node it holds (an xfail stays an
-    xfail, an error an error), junit's for test cases it does not hold (non-gate tests of the selection), and the
-    typed outcomes junit lost (a crash before junit was written)."""
-    typed = {junit_id(o.nodeid): o for o in (results.outcomes if results is not None else ())}
-    out = []
-    for g in junit:
-        o = typed.pop(g.gate, None)
-        out.append(g if o is None else dataclasses.replace(g, outcome=o.outcome,
-                                                           message=g.message or (o.detail or "")))
-    out += [H.GateOutcome(gid, o.outcome, 0.0, o.detail or "") for gid, o in typed.items()]
-    return out
+CELL_RAN = "nightly::cell_ran"   # the outcome a cell gets when it did not run to typed results
 
 
 def collect_cell(cell: Cell, cell_dir: Path, pytest_exit: int, duration_s: float,
                  expected_flags: Mapping[str, tuple[str, Sequence[str]]] | None = None) -> H.CellRecord:
-    junit = cell_dir / "junit.xml"
-    results = _read_results(cell_dir / RESULTS_FILE)
-    gates = cell_outcomes(parse_junit(junit) if junit.exists() else [], results)
-    if pytest_exit not in (0, 1) or not junit.exists():
-        gates.append(H.GateOutcome("nightly::cell_ran", "error", duration_s,
-                                   f"pytest exited {pytest_exit} (see {cell_dir / 'pytest.log'})"))
-    per_prompt = _read_json(cell_dir / "per_prompt.json")
+    """A cell's record from its results folder: every gate node's outcome, the flag verdicts and the metrics from
+    the typed results.json (and per_prompt.json), wall times from its timings. junit.xml is not read: its cell's
+    pytest writes it for CI's test viewers, and it cannot tell an xfail from a skip. A cell whose pytest did not
+    finish (exit other than 0 / 1), or whose results.json or per_prompt.json is missing or unreadable, gets the
+    error outcome ``nightly::cell_ran`` saying so: an error, never green (and the night goes on to the next cell)."""
+    folder = ResultsFolder.of(cell_dir)
+    problems = [] if pytest_exit in (0, 1) else [f"pytest exited {pytest_exit} (see {folder.pytest_log})"]
+    results: GateResults | None = None
+    per_prompt: PerPrompt | None = None
+    try:
+        results = folder.read_results()
+    except ResultsError as exc:
+        problems.append(one_line(exc))
+    try:
+        per_prompt = folder.read_per_prompt()
+    except PerPromptError as exc:
+        problems.append(one_line(exc))
+    gates = list(results.outcomes) if results is not None else []
+    durations = dict(results.timings.per_test_s) if results is not None and results.timings is not None else {}
+    if problems:
+        gates.append(GateOutcome(CELL_RAN, "cell_ran", "error", "call", "; ".join(problems)))
+        durations[CELL_RAN] = duration_s
     return H.CellRecord(cell.name, cell.profile, cell.flags, pytest_exit, duration_s, str(cell_dir), gates,
                         cell_metrics(results, per_prompt),
-                        H.flag_verdicts_from_results(results, cell.name, expected_flags))
+                        H.flag_verdicts_from_results(results, cell.name, expected_flags), durations=durations)
 
 
 Runner = Callable[[list[str], Mapping[str, str], Path, float], int]
@@ -528,24 +472,26 @@ def compare_cell(baseline: H.CellRecord | None, current: H.CellRecord, rule: Reg
     A flag whose verdict (core.results.aggregate over its expected gates) is not PASS is a finding. A cell that is
     not green gets a finding saying so when nothing else names it."""
     out: list[Finding] = []
-    base_gates = {g.gate: g for g in baseline.gates} if baseline else {}
+    # keyed as the history keys a gate node (history_id: the same for a baseline read back and a cell read now)
+    base_gates = {H.history_id(g.nodeid): g for g in baseline.gates} if baseline else {}
     ref = f"run {baseline_run}" if baseline_run is not None else "baseline"
     for g in current.gates:
-        b = base_gates.get(g.gate)
+        gate, message = H.history_id(g.nodeid), g.detail or ""
+        b = base_gates.get(gate)
         passed_before = b is not None and b.outcome == "passed"
-        if g.gate == "nightly::cell_ran" and g.failed:
-            out.append(Finding("error", current.cell, g.gate, g.message))
+        if g.nodeid == CELL_RAN and H.failed(g):
+            out.append(Finding("error", current.cell, gate, message))
         elif passed_before and g.outcome != "passed":
-            out.append(Finding("regression", current.cell, g.gate,
-                               f"passed in {ref}, {g.outcome} now: {_first_line(g.message)}".rstrip(": ")))
-        elif g.failed:
-            out.append(Finding("new-failure", current.cell, g.gate, _first_line(g.message) or g.outcome))
+            out.append(Finding("regression", current.cell, gate,
+                               f"passed in {ref}, {g.outcome} now: {_first_line(message)}".rstrip(": ")))
+        elif H.failed(g):
+            out.append(Finding("new-failure", current.cell, gate, _first_line(message) or g.outcome))
         elif g.outcome == "skipped" and require_engines:
-            out.append(Finding("skipped", current.cell, g.gate,
-                               f"skipped while DS41_REQUIRE_ENGINES=1: {_first_line(g.message)}".rstrip(": ")))
-        elif b is not None and b.failed and g.outcome == "passed":
-            out.append(Finding("fixed", current.cell, g.gate, f"{b.outcome} in {ref}, passes now"))
-    now = {g.gate for g in current.gates}
+            out.append(Finding("skipped", current.cell, gate,
+                               f"skipped while DS41_REQUIRE_ENGINES=1: {_first_line(message)}".rstrip(": ")))
+        elif b is not None and H.failed(b) and g.outcome == "passed":
+            out.append(Finding("fixed", current.cell, gate, f"{b.outcome} in {ref}, passes now"))
+    now = {H.history_id(g.nodeid) for g in current.gates}
     for gate, b in base_gates.items():
         if gate not in now and b.outcome == "passed":
             out.append(Finding("regression", current.cell, gate, f"passed in {ref}, not run now"))
@@ -590,7 +536,7 @@ def unexplained_red(cell: H.CellRecord, findings: Sequence[Finding]) -> Finding 
         return None
     return Finding("error", cell.cell, "nightly::cell_green",
                    f"the cell is not green (pytest exit {cell.pytest_exit}, {len(cell.gates)} gate outcome(s)) and no "
-                   f"gate names why: see {Path(cell.results_dir) / 'pytest.log'}")
+                   f"gate names why: see {ResultsFolder.of(cell.results_dir).pytest_log}")
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -660,11 +606,11 @@ def run_nightly(cfg: NightlyConfig, db: Path, out_root: Path, runner: Runner = s
         finally:
             if log.exists():
                 cell_dir.mkdir(parents=True, exist_ok=True)
-                os.replace(log, cell_dir / "pytest.log")
+                os.replace(log, ResultsFolder.of(cell_dir).pytest_log)
         scrub_cell_dir(cell_dir)
         rec = collect_cell(cell, cell_dir, code, time.monotonic() - t0, flag_expectations(cfg, cell))
         echo(redact(f"nightly: cell {cell.name}: pytest exit {code} in {rec.duration_s:.0f} s, "
-                    f"{sum(not g.failed for g in rec.gates)}/{len(rec.gates)} gates passed"))
+                    f"{sum(not H.failed(g) for g in rec.gates)}/{len(rec.gates)} gates passed"))
         records.append(rec)
     findings: list[Finding] = []
     baselines: dict[str, int | None] = {}
@@ -699,7 +645,9 @@ def summary_data(result: NightlyResult, cfg: NightlyConfig) -> dict[str, Any]:
         "cells": [{"cell": c.cell, "profile": c.profile, "flags": list(c.flags), "pytest_exit": c.pytest_exit,
                    "duration_s": round(c.duration_s, 1), "green": c.green, "baseline_run": result.baselines.get(c.cell),
                    "results_dir": c.results_dir,
-                   "gates": [dataclasses.asdict(g) for g in c.gates],
+                   "gates": [{"gate": H.history_id(g.nodeid), "nodeid": g.nodeid, "outcome": g.outcome,
+                              "phase": g.phase, "duration_s": c.durations.get(g.nodeid, 0.0), "message": g.detail or ""}
+                             for g in c.gates],
                    "metrics": {m.name: m.value for m in c.metrics},
                    "flag_verdicts": [{**dataclasses.asdict(v), "outcome": v.state} for v in c.flag_verdicts],
                    "flag_aggregates": {flag: H.aggregate_dict(agg) for flag, agg in sorted(c.flag_aggregates().items())}}

@@ -126,3 +126,27 @@ def test_cases_are_deterministic_and_oracle_side_is_exact_where_claimed():
         build_case("nope", "tiny")
     with pytest.raises(ValueError, match="unknown shape 'huge'"):
         build_case("rmsnorm", "huge")
+
+
+@pytest.mark.parametrize("doc,msg", [
+    ({k: v for k, v in BASE.items() if k != "format"}, "mem: format None, expected 'ds41-kernel-registry/1'"),
+    ({**BASE, "engines": {"e": {}}}, "mem: engines.e: missing field 'python'"),
+    ({**BASE, "kernel": [{k: v for k, v in BASE["kernel"][0].items() if k != "adapter"}]},
+     "mem: kernel[0] (k): missing field 'adapter'"),
+    (_with(status="retired"), "mem: kernel[0] (k): status 'retired' not in ('active', 'unbound')"),
+    (_with(shapes=[]), "mem: kernel[0] (k): shapes [] must be a non-empty subset of ('tiny', 'production')"),
+    (_with(tolerance={"out": {"max_ulp": 1, "rtol": 1}}),
+     "mem: kernel[0] (k): tolerance.out: unknown tolerance field(s) ['rtol']"),
+    (_with(test_only="yes"), "mem: kernel[0] (k): field 'test_only' must be bool, got str 'yes'"),
+])
+def test_registry_messages_are_one_line_naming_file_entry_and_field(doc, msg):
+    with pytest.raises(RegistryError) as info:
+        parse_registry(doc, "mem")
+    assert str(info.value) == msg
+
+
+def test_an_unbound_entry_needs_no_target_nor_tolerance_and_a_gpu_entry_no_environment():
+    doc = copy.deepcopy(BASE)
+    doc["kernel"].append({"name": "g", "primitive": "exl3_gemm", "engine": "x", "adapter": "a",
+                          "flag": "VLLM_DS41_MOE_EXL3_PLAN", "device": "gpu-only", "status": "unbound"})
+    assert parse_registry(doc, "mem").get("g").target == ""

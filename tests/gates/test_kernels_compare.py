@@ -100,8 +100,10 @@ def test_error_stats_rounds_oracle_to_engine_dtype_and_row_rtol():
 
 
 def test_tolerance_rejects_negative_bounds():
-    with pytest.raises(ValueError, match="must be >= 0"):
+    with pytest.raises(ValueError, match="greater than or equal to 0"):   # pydantic's ValidationError
         Tolerance(max_ulp=-1)
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        Tolerance(atol=-1e-9)
 
 
 def test_fp8_ds_mla_pack_roundtrip_and_layout():

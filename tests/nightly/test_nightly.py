@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from core.results import GateOutcome
+from core.results_folder import PerPrompt, PromptMeans
 from nightly import history as H
 from nightly import runner as N
 
@@ -72,8 +74,8 @@ def test_config_errors(data, match):
 # ------------------------------------------------------------------------------------------ comparison
 
 def _cell(gates, metrics=(), exit_=None):
-    outs = [H.GateOutcome(g, o) for g, o in gates.items()]
-    code = exit_ if exit_ is not None else (1 if any(g.failed for g in outs) else 0)
+    outs = [GateOutcome(g, g, o, "call") for g, o in gates.items()]
+    code = exit_ if exit_ is not None else (1 if any(H.failed(g) for g in outs) else 0)
     return H.CellRecord("c", "p", (), code, 1.0, "/tmp", outs, list(metrics))
 
 
@@ -110,7 +112,7 @@ def test_cell_metrics_from_results():
                .with_flag_verdict("f", "numerics", "", "p", FlagGateVerdict("speed", True, "ok", ratio=0.9))
                .with_flag_verdict("f", "numerics", "", "p", FlagGateVerdict("paired_not_worse", True, "ok",
                                                                             mean_diff=1e-9, max_abs_diff=0.5)))
-    ms = N.cell_metrics(results, {"engines": {"p": {"kl_part": [1e-6, None, 3e-6]}}})
+    ms = N.cell_metrics(results, PerPrompt(("a", "b", "c"), ("d",) * 3, {"p": PromptMeans((1e-6, None, 3e-6), 0)}))
     by = {m.name: m for m in ms}
     assert by["kl_panel.kl_part_mean"].value == 1e-6 and "kl_panel.ppl_ratio" not in by   # not measured: no number
     assert by["flag_ab.f.speed.ratio"].value == 0.9 and "flag_ab.f.speed.mean_diff" not in by
@@ -135,30 +137,41 @@ def test_the_nightly_reads_the_results_a_real_gate_run_wrote(tmp_path):
     assert H.flag_verdicts_from_results(results, "cpu") == []          # no --flag in that run
     assert len(results.outcomes) == 37 and not results.errored()
     assert {o.outcome for o in results.outcomes} == {"passed", "xfailed"}
-    # through the cell collector, as the nightly reads a cell's folder (no junit: the cell is an error)
+    # through the cell collector, as the nightly reads a cell's folder: the outcomes are results.json's, every one,
+    # with their wall times; no junit.xml is there and none is needed
     (tmp_path / "results.json").write_bytes(REAL_RESULTS.read_bytes())
     cell = N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
     assert {m.name for m in cell.metrics} >= {"kl_panel.kl_part_mean", "kl_panel.ppl_ratio"}
-    # a results.json of the untyped era is refused naming the file, not read as an empty cell
+    assert cell.gates == list(results.outcomes) and cell.green
+    assert cell.durations == dict(results.timings.per_test_s) and len(cell.durations) == 37
+    # a junit.xml that says otherwise is not read: it cannot tell an xfail from a skip
+    (tmp_path / "junit.xml").write_text('<testsuites><testsuite><testcase classname="gates.test_kl_panel" '
+                                        'name="test_kl_panel_per_domain"><failure message="no"/></testcase>'
+                                        '</testsuite></testsuites>')
+    assert N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0).gates == list(results.outcomes)
+    # a results.json of the untyped era is an error naming the file, not an empty cell, and not the end of the night
     (tmp_path / "results.json").write_text(json.dumps({"kl_panel": {"passed": True, "summary": {}}}))
-    with pytest.raises(N.NightlyConfigError, match="results.json: not a ds41-results/1 results file: no format tag"):
-        N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
+    old = N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
+    assert not old.green and [(g.nodeid, g.outcome) for g in old.gates] == [(N.CELL_RAN, "error")]
+    assert "results.json: not a ds41-results/1 results file: no format tag" in old.gates[0].detail
+    [finding] = N.compare_cell(None, old, N.RegressionRule())
+    assert finding.kind == "error" and "no format tag" in finding.detail
 
 
-def test_per_prompt_metrics_are_per_sequence_means_of_finite_unambiguous_kl():
-    import numpy as np
-
-    from core import metrics
-    from tests.core.recordkit import pair_of_records
-
-    ref, eng, _ = pair_of_records(np.random.default_rng(2), n_seq=4, length=9, vocab=30, noise=0.4)
-    out = N.per_prompt_metrics(ref, [("e", eng)])
-    assert out["format"] == N.PER_PROMPT_FORMAT and out["seq_ids"] == list(ref.seq_ids)
-    pm = metrics.position_metrics(ref, eng)
-    for i, got in enumerate(out["engines"]["e"]["kl_part"]):
-        vals = [k for k, s, amb in zip(pm.kl_part, pm.seq, pm.ambiguous) if s == i and np.isfinite(k) and not amb]
-        assert got == pytest.approx(sum(vals) / len(vals), rel=1e-12)
-    assert out["engines"]["e"]["hard_fails"] == int(np.sum(~np.isfinite(pm.kl_part)))
+@pytest.mark.parametrize("exit_code", [0, 1, 2])
+def test_a_cell_without_results_or_with_unreadable_per_prompt_is_an_error(tmp_path, exit_code):
+    """pytest wrote no results.json (it crashed before any gate, or never started): ERROR, never green, whatever
+    its exit code; an unreadable per_prompt.json likewise (its metrics would silently be missing)."""
+    bare = N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, exit_code, 3.0)
+    [gate] = bare.gates
+    assert (gate.nodeid, gate.outcome) == (N.CELL_RAN, "error") and not bare.green
+    assert str(tmp_path / "results.json") in gate.detail and "no such results file" in gate.detail
+    assert ("pytest exited 2" in gate.detail) == (exit_code == 2) and bare.durations[N.CELL_RAN] == 3.0
+    (tmp_path / "results.json").write_bytes(REAL_RESULTS.read_bytes())
+    (tmp_path / "per_prompt.json").write_text(json.dumps({"format": "ds41-per-prompt/1", "seq_ids": ["a"]}))
+    broken = N.collect_cell(N.Cell("cpu", "vllm-cpu-fp32"), tmp_path, 0, 1.0)
+    assert not broken.green and broken.gates[-1].nodeid == N.CELL_RAN
+    assert "per_prompt.json: not a ds41-per-prompt/1 file" in broken.gates[-1].detail
 
 
 def test_floors_below_nightly_never_import_it():
@@ -194,30 +207,44 @@ def test_history_roundtrip_and_baseline(tmp_path):
     assert H.gate_series(db) == [(r1, "green", 1, 0), (r2, "red", 0, 1)]
     with sqlite3.connect(db) as conn:  # schema constraints hold
         with pytest.raises(sqlite3.IntegrityError):
-            conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'maybe', 0, '')")
+            conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'maybe', 0, '', 'x', 'call')")
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'passed', 0, '', 'x', 'later')")
         conn.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
     with pytest.raises(H.HistoryError, match="schema version 99"):
         H.connect(db)
 
 
-def test_parse_junit_from_real_pytest(tmp_path):
-    mod = REPO / "tests" / "data" / "nightly" / "junit_probe_tmp.py"
-    mod.write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'boom'\n\n"
-                   "@pytest.mark.skip(reason='why')\ndef test_skip():\n    pass\n")
-    try:
-        import subprocess
-        import sys
-
-        xml = tmp_path / "j.xml"
-        subprocess.run([sys.executable, "-m", "pytest", str(mod), "-p", "no:cacheprovider", f"--junitxml={xml}", "-q"],
-                       cwd=REPO, capture_output=True, timeout=120)
-        got = {g.gate.split("::")[-1]: g for g in N.parse_junit(xml)}
-    finally:
-        mod.unlink()
-    assert got["test_ok"].outcome == "passed" and got["test_skip"].outcome == "skipped"
-    assert got["test_bad"].outcome == "failed" and "boom" in got["test_bad"].message
-    with pytest.raises(N.NightlyConfigError, match="junit"):
-        N.parse_junit(tmp_path / "absent.xml")
+def test_a_version_2_history_gains_the_outcomes_node_id_and_phase(tmp_path):
+    """A history written before rows kept the typed outcome's node id and phase (schema 2) opens as schema 3: its
+    rows read back keyed as before (the baseline still compares), the new rows hold the node id and the phase."""
+    db = tmp_path / "v2.sqlite"
+    v2 = H.SCHEMA.replace(",\n    nodeid TEXT, phase TEXT CHECK(phase IN ('setup', 'call', 'teardown')), PRIMARY KEY",
+                          ", PRIMARY KEY")
+    assert "nodeid" not in v2
+    with sqlite3.connect(db) as conn:
+        conn.executescript(v2)
+        conn.execute("INSERT INTO meta VALUES('schema_version', '2')")
+        conn.execute("INSERT INTO runs VALUES(1, 's', 'f', 'n', 'p', 'h', 'c', 'host', 'green', 0, 'o')")
+        conn.execute("INSERT INTO cells VALUES(1, 'c', 'p', '[]', 0, 1.0, 'green', 'r')")
+        conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'gates.test_kl_panel::test_kl_panel_per_domain', "
+                     "'passed', 2.5, '')")
+    conn.close()
+    (gate,) = H.load_cell(db, 1, "c").gates
+    assert H.history_id(gate.nodeid) == "gates.test_kl_panel::test_kl_panel_per_domain" and gate.outcome == "passed"
+    now = H.CellRecord("c", "p", (), 1, 1.0, "r", [GateOutcome("gates/test_kl_panel.py::test_kl_panel_per_domain",
+                                                               "test_kl_panel_per_domain", "failed", "call", "worse")],
+                       durations={"gates/test_kl_panel.py::test_kl_panel_per_domain": 3.0})
+    kw = dict(started="s", finished="f", config_name="n", config_path="p", config_hash="h", git_commit="c",
+              host="h", exit_code=1, out_dir="o", status="red")
+    run = H.insert_run(db, cells=[now], **kw)
+    back = H.load_cell(db, run, "c")
+    assert back.gates == now.gates and back.durations == now.durations
+    [finding] = N.compare_cell(H.load_cell(db, 1, "c"), now, N.RegressionRule(), 1)
+    assert (finding.kind, finding.name) == ("regression", "gates.test_kl_panel::test_kl_panel_per_domain")
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("3",)
+    conn.close()
 
 
 # ------------------------------------------------------------------------------------------ whole runs

@@ -219,7 +219,7 @@ def test_the_history_keeps_an_xfail_as_an_xfail(tmp_path):
     db = tmp_path / "h.sqlite"
     res = N.run_nightly(_config(tmp_path), db, tmp_path / "runs", runner=_stand_in(_night("xfailed"), 0),
                         echo=lambda s: None)
-    outcomes = {g.gate: g.outcome for g in H.load_cell(db, res.run_id, "cpu").gates}
+    outcomes = {H.history_id(g.nodeid): g.outcome for g in H.load_cell(db, res.run_id, "cpu").gates}
     assert outcomes["gates.test_prefix_cache::test_prefix_cache"] == "xfailed"
 
 
@@ -328,8 +328,9 @@ def test_a_version_1_history_is_migrated_in_place(tmp_path):
 
     db = tmp_path / "old.sqlite"
     v1 = H.SCHEMA.replace(", 'skipped', 'xfailed')),", ", 'skipped')),").replace(
-        "    outcome TEXT CHECK(outcome IN ('passed', 'failed', 'error', 'skipped', 'xfailed', 'missing')),\n", "")
-    assert "xfailed" not in v1
+        "    outcome TEXT CHECK(outcome IN ('passed', 'failed', 'error', 'skipped', 'xfailed', 'missing')),\n", "").replace(
+        ",\n    nodeid TEXT, phase TEXT CHECK(phase IN ('setup', 'call', 'teardown')), PRIMARY KEY", ", PRIMARY KEY")
+    assert "xfailed" not in v1 and "nodeid" not in v1   # schema 3's columns are not version 1's either
     with sqlite3.connect(db) as conn:
         conn.executescript(v1)
         conn.execute("INSERT INTO meta VALUES('schema_version', '1')")
@@ -344,7 +345,7 @@ def test_a_version_1_history_is_migrated_in_place(tmp_path):
     assert H.latest_flag_verdicts(db, {"f": ("bitwise_panel", "bitwise_greedy")})["f"]["verdict"] == "ERROR"
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(H.SCHEMA_VERSION),)
-        conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'xfailed', 0, '')")   # schema 2 holds an xfail
+        conn.execute("INSERT INTO gate_results VALUES(1, 'c', 'x', 'xfailed', 0, '', 'x', 'call')")   # an xfail now
     conn.close()
 
 
