@@ -88,11 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     _refuse_fault_injector()
     _gate_suite_by_default(config)
-    _check_requested_flags(config)
+    registry = _check_requested_flags(config)
     profile = _engine_profile(config)
     _check_engine_flags(config, profile)
     reference = _check_reference(config)   # inputs first: a bad one stops the run before its folder is touched
-    session = GateSession(config, GateOptions.of(config), profile, claimed=_claim_results(config))
+    session = GateSession(config, GateOptions.of(config), profile, claimed=_claim_results(config), registry=registry)
     session.checked_reference = reference
     config.stash[SESSION] = session
     config.pluginmanager.register(session, "ds41-gates-session")
@@ -183,11 +183,12 @@ class GateSession:
     gate leaves no results folder), the report's paths, and the hooks that fill them."""
 
     def __init__(self, config: pytest.Config, options: GateOptions, profile: Profile,
-                 claimed: ResultsFolder | None = None):
+                 claimed: ResultsFolder | None = None, registry=None):
         self.config = config
         self.options = options
         self.profile = profile
         self._claimed = claimed
+        self._registry = registry                # nightly.flags.Registry, when configure parsed it for --flag
         self.checked_reference = None            # --reference, loaded and checked at configure time
         self._run: GateRun | None = None
         self.report_paths = None                 # reports.render's paths once the session report is written
@@ -201,6 +202,16 @@ class GateSession:
         if self._run is None:
             self._run = GateRun(self._claimed or ResultsFolder.fresh())
         return self._run
+
+    @property
+    def flag_registry(self):
+        """The flag registry (nightly/flags.toml and --flag-registry), parsed once: at configure when --flag asks
+        for it, else on first use."""
+        if self._registry is None:
+            from nightly.flags import load_registry
+
+            self._registry = load_registry(self.config.getoption("--flag-registry"))
+        return self._registry
 
     @property
     def gated_profile(self) -> Profile | None:
@@ -311,10 +322,8 @@ class GateSession:
         if self._run is None or not (self._run.coverages or engine_flags or ab_flags):
             return
         from ds41gates.coverage import judge_session
-        from nightly.flags import load_registry
 
-        judge_session(self._run, load_registry(self.config.getoption("--flag-registry")), engine_flags, ab_flags,
-                      self.options.engine_profile or "")
+        judge_session(self._run, self.flag_registry, engine_flags, ab_flags, self.options.engine_profile or "")
 
     # -------------------------------------------------------------------------------------------- outcomes, report
     def _note_gate_outcome(self, item: pytest.Item, call, report) -> None:
@@ -352,10 +361,22 @@ class GateSession:
         if run.results.outcomes:
             sections[OUTCOMES_TITLE] = _outcomes_section(run.results)
         if run.results.flags_seen():   # rebuilt at the end: a flag gate that errored after the last verdict is named
-            sections.update(_flag_ab_section(run.results, self.config))
+            sections.update(self._flag_ab_section(run.results))
         self.report_paths = write_report(run.reference, run.engines, run.folder.path, run.panel_gates, sections,
                                          plots=run.plots, errored=[o.gate for o in run.results.errored()],
                                          coverage=run.results.coverage)
+
+    def _flag_ab_section(self, results: GateResults) -> dict:
+        """The flag A/B section: each flag's verdict over every gate the registry expects of it
+        (core.results.aggregate)."""
+        from gates.lib.flag_ab import REPORT_NOTE, REPORT_TITLE, expected_gates, report_rows
+        from nightly.flags import FlagRegistryError
+
+        try:
+            expected = expected_gates(self.flag_registry)
+        except FlagRegistryError:
+            expected = {}   # configure refused a broken registry already; the recorded gates still show
+        return {REPORT_TITLE: {"rows": report_rows(results, expected), "note": REPORT_NOTE}}
 
 
 SESSION = pytest.StashKey[GateSession]()
@@ -370,16 +391,6 @@ def _outcomes_section(results: GateResults) -> dict:
     return {"rows": rows, "note": note}
 
 
-def _flag_ab_section(results: GateResults, config: pytest.Config) -> dict:
-    """The flag A/B section: each flag's verdict over every gate the registry expects of it (core.results.aggregate)."""
-    from gates.lib.flag_ab import REPORT_NOTE, REPORT_TITLE, expected_gates, report_rows
-    from nightly.flags import FlagRegistryError, load_registry
-
-    try:
-        expected = expected_gates(load_registry(config.getoption("--flag-registry")))
-    except FlagRegistryError:
-        expected = {}   # configure refused a broken registry already; the recorded gates still show
-    return {REPORT_TITLE: {"rows": report_rows(results, expected), "note": REPORT_NOTE}}
 
 
 def _redact_report(report) -> None:
@@ -487,11 +498,12 @@ def _check_engine_flags(config: pytest.Config, profile: Profile) -> None:
                                 f"{sorted(profile.flags)}")
 
 
-def _check_requested_flags(config: pytest.Config) -> None:
-    """An unknown --flag or a broken registry is a usage error now, before any fixture launches a server."""
+def _check_requested_flags(config: pytest.Config):
+    """The flag registry when --flag asks for flags (parsed here, once; None without --flag): an unknown --flag
+    or a broken registry is a usage error now, before any fixture launches a server."""
     flags = config.getoption("--flag")
     if not flags:
-        return
+        return None
     from nightly.flags import FlagRegistryError, load_registry
 
     try:
@@ -503,6 +515,7 @@ def _check_requested_flags(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"--flag: unknown flag(s) {unknown}; known: {sorted(entry.name for entry in registry)} "
             f"(registries: {', '.join(registry.sources) or 'none'})")
+    return registry
 
 
 # ------------------------------------------------------------------------------------------------ collection
@@ -543,10 +556,8 @@ def gate_run(gate_session: GateSession) -> GateRun:
 
 
 @pytest.fixture(scope="session")
-def flag_registry(request: pytest.FixtureRequest):
-    from nightly.flags import load_registry
-
-    return load_registry(request.config.getoption("--flag-registry"))
+def flag_registry(gate_session: GateSession):
+    return gate_session.flag_registry
 
 
 @pytest.fixture(scope="session")
