@@ -176,13 +176,15 @@ def test_the_circle_check_finds_a_circle(tmp_path):
 # Inside a package the same rule holds between the rooms that issue 30 split out of one file: the profile schema and
 # process supervision under the launcher, the launcher under the gate target that names its model providers; the
 # tensor inventory and shard I/O under the architecture, the architecture under the checkpoint and the runner; the
-# typed results on the ground floor's upper storey, above the atomic writes and redaction it uses.
+# typed results on the ground floor's upper storey, above the atomic writes and redaction it uses; the config schemas'
+# base beside them, above the one TOML reader (issue 38).
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     "engine": [("engine.profiles", "engine.supervise"), ("engine.launcher",), ("engine.target",)],
     "oracle.dsv41": [("oracle.dsv41.config",), ("oracle.dsv41.inventory", "oracle.dsv41.shard_io"),
                      ("oracle.dsv41.arch",), ("oracle.dsv41.checkpoint", "oracle.dsv41.workdir"),
                      ("oracle.dsv41.runner",)],
-    "core": [("core.atomic", "core.errors", "core.redact"), ("core.results", "core.records")],
+    "core": [("core.atomic", "core.errors", "core.redact", "core.tomlfile"),
+             ("core.results", "core.records", "core.schema")],
 }
 
 
