@@ -5,12 +5,14 @@ flag, profile or results folder is a usage error before any engine starts), make
 in ``config.stash[SESSION]`` and registers it as a plugin, so its hooks (outcomes, timings, the report, the
 terminal summary) are methods of the object that holds the state. Fixtures are thin: they read the session.
 
-The profile under test is parsed once, at configure, into the typed `engine.profiles.Profile` the session carries;
-the results folder is claimed once, at configure (or made on first use), as the `core.results_folder.ResultsFolder`
-that names and writes every file of the run. The gates write through the one `gate_run` fixture (`GateRun`): what
-they measured (the reference, engine records, panel verdicts) and the typed `core.results.GateResults` (format
-`ds41-results/1`), rewritten to results.json after every gate so a run killed later keeps what it measured. Heavy floors (the engine, the oracle, the pipeline) are imported inside the fixtures
-that use them: this plugin is loaded by every pytest run of the project, most of which never start an engine.
+The profile under test and the flag registry are parsed once, at configure, and carried by the session; the results
+folder is claimed once, at configure (or made on first use), as the `core.results_folder.ResultsFolder` that names
+and writes every file of the run. The gates write through the one `gate_run` fixture (`GateRun`): what they
+measured (the reference, engine records, panel verdicts) and the typed `core.results.GateResults` (format
+`ds41-results/1`), rewritten to results.json after every gate so a run killed later keeps what it measured. Heavy
+floors (the engine, the oracle, the pipeline) are imported inside the fixtures that use them: this plugin (a
+`pytest11` entry point, pyproject.toml) is loaded by every pytest run of this environment, most of which never start
+an engine.
 """
 
 from __future__ import annotations
