@@ -259,3 +259,53 @@ def test_reference_bf16_runs_chunked(small_v4):
     ids = _ids(120, 11, cfg.vocab_size)
     stats, _ = prefill_scored(m, ids[0].tolist(), np.array([3, 60, 119]), 16, top_k=4)
     assert stats.topk_ids.shape == (3, 4) and np.isfinite(stats.actual_logprob).all()
+
+
+def test_the_mechanism_rule_matches_what_the_model_did(monkeypatch):
+    """mechanism_masks states the mechanisms from the config's rules; here they are observed in the model's own data
+    flow on a one-pass prefill instead, row by row: the window evicts where a window layer's attention list holds
+    fewer keys than the tokens so far; a ratio-r layer's compressed entries are live where its list holds an index
+    into the compressed rows; the indexer prunes where its top-k had more visible (finite) scores than it keeps."""
+    import oracle.dsv41.attention_v4 as attention_v4
+    from oracle.dsv41.numerics import Numerics
+
+    cfg = small_v4_config(window_size=16, compress_ratios=(0, 4, 128, 4, 0), index_topk=8, max_seq_len=512)
+    S = 300
+    lists, pruned = [], {}
+    real_attn, real_topk = attention_v4.sparse_attn, Numerics.topk
+
+    def seen_attn(q, kv, sink, idx, scale, num, *a, **kw):
+        lists.append((idx[0].clone(), kv.shape[1]))
+        return real_attn(q, kv, sink, idx, scale, num, *a, **kw)
+
+    def seen_topk(self, scores, k, site, *a, **kw):
+        if site.startswith("indexer."):
+            pruned[int(site.split(".")[1])] = (torch.isfinite(scores[0]).sum(-1) > k).numpy()
+        return real_topk(self, scores, k, site, *a, **kw)
+
+    monkeypatch.setattr(attention_v4, "sparse_attn", seen_attn)
+    monkeypatch.setattr(Numerics, "topk", seen_topk)
+    m = Model(cfg, random_weights_v4(cfg, seed=1), None)
+    m.forward(_ids(S, 7, cfg.vocab_size), m.new_state(1))
+    assert len(lists) == cfg.n_layers
+
+    rows = np.arange(S)
+    observed = {m_: np.zeros(S, bool) for m_ in Mechanism}
+    for L, (idx, n_keys) in enumerate(lists):
+        r = cfg.ratio(L)
+        valid = idx >= 0
+        if r == 0:
+            observed[Mechanism.WINDOW_FULL_EVICTING] |= valid.sum(-1).numpy() < rows + 1
+        else:
+            # compressed rows follow the window's rows in kv: an index at or past them is a compressed entry
+            offset = n_keys - S // r
+            live = ((idx >= offset) & valid).any(-1).numpy()
+            observed[Mechanism.COMPRESSED_R4 if r == 4 else Mechanism.COMPRESSED_R128] |= live
+    for L, rows_pruned in pruned.items():
+        observed[Mechanism.INDEXER_PRUNING] |= rows_pruned
+    stated = [decode(x) for x in mechanism_masks(cfg, rows)]
+    for mech in (Mechanism.WINDOW_FULL_EVICTING, Mechanism.COMPRESSED_R4, Mechanism.COMPRESSED_R128,
+                 Mechanism.INDEXER_PRUNING):
+        want = np.array([mech in s for s in stated])
+        assert np.array_equal(observed[mech], want), (mech, np.flatnonzero(observed[mech] != want)[:10])
+        assert want.any() and not want.all(), mech      # each mechanism switches on inside this prompt
