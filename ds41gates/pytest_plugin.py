@@ -711,13 +711,11 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
 def _launch_endpoint(profile: Profile, flags=(), overrides=None, echo=None):
     """Start a server from a parsed profile, serving its gate target's model (the embedded default unless its
     [gate] table names another); (server, endpoint), the caller stops the server."""
-    from engine.endpoint import endpoint_for_server
-    from engine.launcher import EngineServer
+    from engine.endpoint import launch_endpoint
     from engine.target import resolve_gate_target
 
     model_dir = resolve_gate_target(profile, encode=False).model_dir
-    server = EngineServer(profile, overrides=overrides, flags=flags, echo=echo).start()
-    return server, endpoint_for_server(server, profile, model_dir, flags)
+    return launch_endpoint(profile, model_dir, flags=flags, overrides=overrides, echo=echo)
 
 
 def _stop_for_user_error(message: str):
