@@ -295,13 +295,6 @@ class ResultsFolder:
 
         return Record.load(self.engine_record_file(label))
 
-    def subfolder(self, path: Path) -> Path:
-        """`path` (one of this folder's named subfolders) made, and returned."""
-        if path.parent != self.path:
-            raise ValueError(f"{path} is not a subfolder of the results folder {self.path}")
-        path.mkdir(exist_ok=True)
-        return path
-
 
 def eval_record_name(suite: str) -> str:
     """The eval record of one suite (evals/run.py): `<suite>.eval.json`, a `+` spelled `plus`."""

@@ -56,14 +56,6 @@ def test_names_from_outside_never_leave_the_folder(tmp_path, bad):
         eval_record_name(bad)
 
 
-def test_subfolder_is_made_only_for_the_folders_own_names(tmp_path):
-    f = ResultsFolder.of(tmp_path)
-    assert f.subfolder(f.evals_dir).is_dir()
-    assert f.subfolder(f.evals_dir) == tmp_path / "evals"       # again: no error
-    with pytest.raises(ValueError, match="not a subfolder"):
-        f.subfolder(tmp_path.parent / "elsewhere")
-
-
 # ================================================================================ per_prompt.json
 
 def test_per_prompt_are_per_sequence_means_of_finite_unambiguous_kl():
