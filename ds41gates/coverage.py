@@ -28,6 +28,11 @@ COVERAGE_TITLE = "Mechanism coverage: scored positions where each DeepSeek mecha
 FLAGS_TITLE = "Flag coverage: a flag whose mechanisms no scored position reached is NOT EXERCISED, never PASS"
 
 
+def coverage_title(arm: str | None = None) -> str:
+    """The mechanism table's report title: the session's engine, or one flag's A/B on-arm."""
+    return COVERAGE_TITLE if arm is None else f"{COVERAGE_TITLE} (flag {arm} on)"
+
+
 @dataclass(frozen=True)
 class ScoredReference:
     """An oracle reference whose positions a gate scored on one arm: ``arm`` None is the session's engine, a flag
@@ -64,12 +69,13 @@ def judge_session(run: Any, registry: Any, engine_flags: Sequence[str] = (), ab_
     references) and ``ab_flags`` (A/B'd: each judged over its own on-arm's references only) and the tables into
     ``run`` (a pytest plugin GateRun); returns the verdicts. Nothing is written when the session scored no
     reference and is about no flag."""
-    merged, sources, unstated = _reached(run.coverages)
-    if merged is not None:
-        run.add_section(COVERAGE_TITLE, coverage_rows(merged),
-                        f"cells: positions with the mechanism live / scored positions of the bucket, over "
-                        f"{', '.join(sources)} (the oracle's mechanism masks)"
-                        + (f"; {', '.join(unstated)} state no mechanisms" if unstated else ""))
+    for arm in [None, *dict.fromkeys(r.arm for r in run.coverages if r.arm is not None)]:
+        merged, sources, unstated = _reached([r for r in run.coverages if r.arm == arm])
+        if merged is not None:   # one table per arm: an A/B's two arms score the same positions twice
+            run.add_section(coverage_title(arm), coverage_rows(merged),
+                            f"cells: positions with the mechanism live / scored positions of the bucket, over "
+                            f"{', '.join(sources)} (the oracle's mechanism masks)"
+                            + (f"; {', '.join(unstated)} state no mechanisms" if unstated else ""))
     ab = set(ab_flags)
     verdicts = []
     for flag in dict.fromkeys([*engine_flags, *ab_flags]):
@@ -80,7 +86,7 @@ def judge_session(run: Any, registry: Any, engine_flags: Sequence[str] = (), ab_
             verdict = dataclasses.replace(verdict, why=f"{verdict.why}; an A/B flag counts only the positions its "
                                                        f"flag-on arm scored")
         if flag not in registry:
-            verdict = type(verdict)(flag, "not declared", sources=tuple(sources),
+            verdict = type(verdict)(flag, "not declared", sources=verdict.sources,
                                     why="not in the flags registry: no mechanisms declared, coverage does not apply")
         verdicts.append(verdict)
         run._save(run.results.with_coverage(verdict))

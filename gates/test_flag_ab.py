@@ -90,12 +90,15 @@ def flag_on(flag_name, flag_registry, ab_profile, launch_engine, engine_endpoint
 
 
 @pytest.fixture(scope="session")
-def on_record(flag_name, flag_on, encoded_panel, engine_endpoint, gate_run):
+def on_record(flag_name, flag_on, encoded_panel, engine_endpoint, panel_reference, gate_run):
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
 
     rec = score_engine(flag_on, encoded_panel, DEFAULT_ENGINE_K)
     label = f"{engine_endpoint.profile}+{flag_name}"
     gate_run.save_engine_record(label, rec)
+    # the panel's positions, scored by the flag's own arm, count towards the flag's coverage
+    prov = panel_reference.provenance
+    gate_run.add_coverage(f"{prov.panel_name}@{prov.panel_version}", panel_reference, arm=flag_name)
     return rec
 
 

@@ -100,14 +100,16 @@ def test_a_short_run_leaves_a_long_context_flag_not_exercised_in_results_and_rep
     run.reference = short
     run.engines.append(("eng", short))
     run.add_flag_verdict("fused_indexer", "numerics", "", "p", FlagGateVerdict("kl_band", True, "within band"))
-    session_coverage.add_reference(run, "short@1", short)
+    session_coverage.add_reference(run, "short@1", short)                         # the session's engine
+    session_coverage.add_reference(run, "short@1", short, arm="fused_indexer")    # the flag's on-arm
     verdicts = session_coverage.judge_session(run, reg, ab_flags=["fused_indexer", "plain", "unknown_flag"],
                                               profile="p")
     assert [v.verdict for v in verdicts] == ["not exercised", "not declared", "not declared"]
 
     saved = GateResults.load(tmp_path)
     cov = saved.flag_coverage("fused_indexer")
-    assert cov.verdict == "not exercised" and cov.missing == ("indexer_pruning",) and cov.sources == ("short@1",)
+    assert cov.verdict == "not exercised" and cov.missing == ("indexer_pruning",)
+    assert cov.sources == ("short@1 (flag fused_indexer on)",)
     entry = next(g for g in saved.gates if g.gate == "flag_coverage" and g.flag == "fused_indexer")
     assert entry.passed is False and "NOT EXERCISED" in entry.failures[0]
     # its kl_band PASS does not make the flag pass: the flag's aggregate is NOT EXERCISED, naming why
@@ -141,7 +143,8 @@ def test_a_short_run_leaves_a_long_context_flag_not_exercised_in_results_and_rep
     assert exercised.gate("flag_coverage").passed is True
     exercised = exercised.with_flag_verdict("fused_indexer", "numerics", "", "p", FlagGateVerdict("kl_band", True, "ok"))
     assert exercised.flag_aggregate("fused_indexer", ["kl_band"]).verdict == "PASS"
-    table = run2.report_sections[session_coverage.COVERAGE_TITLE]["rows"]
+    assert session_coverage.COVERAGE_TITLE not in run2.report_sections     # the session's engine scored nothing
+    table = run2.report_sections[session_coverage.coverage_title("fused_indexer")]["rows"]
     row = next(r for r in table if r["mechanism"] == "indexer_pruning")
     assert row["d2K-8K"] == "152/152" and row["d128-2K"] == "0/1920" and row["total"] == "152/2258"
 
