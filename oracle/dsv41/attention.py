@@ -157,7 +157,28 @@ def grouped_wo_a(o: torch.Tensor, cis, wo_a: torch.Tensor, cfg: ModelConfig, num
 # ----------------------------------------------------------------------------------------------
 
 
-class Attention:
+class AttentionWeights:
+    """The one load of both architectures' attention (this module's Attention, attention_v4.AttentionV4): the
+    projections, the q / kv norms and the sink under the layer's ``attn.``, then its compressor and indexer
+    when the layer has them."""
+
+    compressor_prefix = ""   # V4.1's Compressor adds its own "compressor."; V4's is handed its full prefix
+
+    def load(self, w: dict, prefix: str):
+        p = prefix + "attn."
+        for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            setattr(self, n, need(w, p + n + ".weight"))
+        self.q_norm = need(w, p + "q_norm.weight")
+        self.kv_norm = need(w, p + "kv_norm.weight")
+        self.attn_sink = need(w, p + "attn_sink")
+        if self.compressor:
+            self.compressor.load(w, p + self.compressor_prefix)
+        if self.indexer:
+            self.indexer.load(w, p)
+        return self
+
+
+class Attention(AttentionWeights):
     def __init__(self, cfg: ModelConfig, layer_id: int, index_k: str = "upstream"):
         if index_k not in ("intended", "upstream"):
             raise ValueError(f"index_k switch {index_k!r}: expected 'intended' or 'upstream' (§18.1)")
@@ -166,19 +187,6 @@ class Attention:
         self.freqs = layer_frequencies(cfg, layer_id)
         self.compressor = Compressor(cfg, layer_id) if cfg.is_kv_source(layer_id) else None
         self.indexer = Indexer(cfg, layer_id) if cfg.is_index_source(layer_id) else None
-
-    def load(self, w: dict, prefix: str) -> "Attention":
-        p = prefix + "attn."
-        for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
-            setattr(self, n, need(w, p + n + ".weight"))
-        self.q_norm = need(w, p + "q_norm.weight")
-        self.kv_norm = need(w, p + "kv_norm.weight")
-        self.attn_sink = need(w, p + "attn_sink")
-        if self.compressor:
-            self.compressor.load(w, p)
-        if self.indexer:
-            self.indexer.load(w, p)
-        return self
 
     # -- shared pieces -------------------------------------------------------------------------
     def _kv(self, x, cis, num):

@@ -21,12 +21,12 @@ import torch
 
 from dataclasses import dataclass
 
-from .attention import LayerCache, append_window, grouped_wo_a, sparse_attn, window_indices, window_rows
+from .attention import (AttentionWeights, LayerCache, append_window, grouped_wo_a, sparse_attn, window_indices,
+                        window_rows)
 from .compressor_v4 import CompressorV4, IndexerV4, qdq8_nope
 from .config import ModelConfig
 from .numerics import Numerics, rstd_f64
 from .rope import layer_frequencies
-from .weights import need
 
 V4_ACT_BLOCK = 128  # the fp8 GEMM input block of V4 (dsv4-engine.md §5 "quantisation")
 
@@ -60,26 +60,15 @@ def head_rmsnorm(q: torch.Tensor, eps: float, num: Numerics) -> torch.Tensor:
     return q * rstd_f64(q, eps, keepdim=True)
 
 
-class AttentionV4:
+class AttentionV4(AttentionWeights):
+    compressor_prefix = "compressor."
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         self.cfg, self.layer_id = cfg, layer_id
         self.ratio = cfg.ratio(layer_id)
         self.freqs = layer_frequencies(cfg, layer_id)  # ratio > 0: compress θ + YaRN; ratio 0: θ, no YaRN
         self.compressor = CompressorV4(cfg, layer_id, cfg.head_dim, self.freqs) if self.ratio else None
         self.indexer = IndexerV4(cfg, layer_id, self.freqs) if self.ratio == 4 else None
-
-    def load(self, w: dict, prefix: str) -> "AttentionV4":
-        p = prefix + "attn."
-        for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
-            setattr(self, n, need(w, p + n + ".weight"))
-        self.q_norm = need(w, p + "q_norm.weight")
-        self.kv_norm = need(w, p + "kv_norm.weight")
-        self.attn_sink = need(w, p + "attn_sink")
-        if self.compressor:
-            self.compressor.load(w, p + "compressor.")
-        if self.indexer:
-            self.indexer.load(w, p)
-        return self
 
     def _lin(self, x, w, num):
         return num.qlinear(x, w, V4_ACT_BLOCK, fmt=self.cfg.scale_fmt)
