@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Mapping, Sequence
 
-from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from core.coverage import DEPTH_MECHANISMS, MECHANISM_NAMES
 from core.errors import UserError
@@ -242,22 +242,7 @@ def merged_entry(name: str, table: FlagTable, source: str = "", base: FlagEntry 
     return parse_model(FlagEntry, fields, where, FlagRegistryError)
 
 
-class UnknownKeysFirst(StrictModel):
-    """A file's schema whose first reported problem is a misspelt key, when there is one: it is what a person most
-    likely did (a renamed key is an unknown one plus a default or a missing one), and what the messages of these
-    files have always named first."""
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _unknown_keys_first(cls, data: Any, handler: Any) -> Any:
-        try:
-            return handler(data)
-        except ValidationError as exc:
-            errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-            raise ValidationError.from_exception_data(exc.title, errors) from None
-
-
-class RegistryFile(UnknownKeysFirst):
+class RegistryFile(StrictModel):
     """A flag registry file: ``[registry]`` (its version and references, free form) and ``[flags.NAME]`` tables."""
 
     registry: dict[str, Any] = {}

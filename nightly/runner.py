@@ -79,7 +79,6 @@ from core.schema import Problem, Seq, StrictModel, key_path, parse_model, value_
 from core.tomlfile import read_toml
 from nightly import history as H
 from nightly.flag_ab import paired_series, regression_rule
-from nightly.flags import UnknownKeysFirst
 from nightly.trends import plot_trends
 
 REPO_ROOT = repo_root()
@@ -103,7 +102,7 @@ class RegressionRule(StrictModel):
 class NightlyTable(StrictModel):
     """``[nightly]``: what every cell runs and how a run is compared."""
 
-    name: str | None = None                       # default: the config file's stem
+    name: str | None = Field(None, pattern=r"\S")  # default: the config file's stem
     gates: Seq[str] = DEFAULT_GATES
     registry: Seq[str] = ()
     pytest_args: Seq[str] = ()
@@ -113,8 +112,6 @@ class NightlyTable(StrictModel):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str | None) -> str | None:
-        if name is not None and not name.strip():
-            raise ValueError(f"nightly.name must be a non-empty string, got {name!r}")
         if name is not None:
             safe_name(name, "nightly.name")   # the run folder is --out/<name>-<stamp>
         return name
@@ -138,7 +135,7 @@ class CellTable(StrictModel):
     pytest_args: Seq[str] = ()
 
 
-class NightlyFile(UnknownKeysFirst):
+class NightlyFile(StrictModel):
     """A nightly config file as written (docs/NIGHTLY.md); :func:`parse_config` resolves it into a NightlyConfig."""
 
     nightly: NightlyTable = NightlyTable()
