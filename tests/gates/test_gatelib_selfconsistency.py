@@ -73,11 +73,11 @@ def test_prefill_must_rescore_decode_ids():
 def test_a_flag_floor_replaces_the_profile_floor_only_with_that_flag():
     """gates/config-vllm-cpu-dsv4.toml gives fp8_weights its own floor (decode and prefill run different fp8
     GEMM paths); the profile without the flag keeps the default."""
-    from engine.target import gate_sizes
+    from engine.target import checked_target
     from gates.sizes import load_gate_sizes
     from gates.test_self_consistency import _band
 
-    cfg = load_gate_sizes(gate_sizes("vllm-cpu-dsv4")).selfconsistency
+    cfg = load_gate_sizes(checked_target("vllm-cpu-dsv4").sizes).selfconsistency
     with_flag = _band(cfg, "vllm-cpu-dsv4", ("fp8_weights",))
     assert (with_flag.floor_mean, with_flag.floor_worst) == (1e-3, 2e-3)
     plain = _band(cfg, "vllm-cpu-dsv4")
