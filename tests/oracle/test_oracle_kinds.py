@@ -108,3 +108,26 @@ def test_the_deepseek_identity_is_the_checkpoint_hash_its_records_carry(tmp_path
         encoded_from_json(ids))
     assert rec.provenance.source["checkpoint_hash"] == ident.value
     assert rec.provenance.precision == "reference-bf16" and rec.k == 8
+
+
+def test_the_floor_capturer_copies_the_fp32_load_and_computes_in_its_own_precision(monkeypatch):
+    """The localizer's two oracle runs of a transformers model: fp32, then the floor from a copy of that load
+    (the weights neither read nor hashed again), each in its own dtype."""
+    import torch
+
+    from engine.models import ensure_smollm2
+    from oracle.hf import HFOracle
+
+    model_dir = ensure_smollm2().hf_dir
+    ids = [504, 3575, 282, 4649, 314]
+    fp32 = TRANSFORMERS.capturer(model_dir, "fp32")
+    a = fp32.capture(ids)
+    monkeypatch.setattr(HFOracle, "load", classmethod(lambda *a, **k: pytest.fail("loaded again")))
+    floor = TRANSFORMERS.capturer(model_dir, TRANSFORMERS.floor_precision("float32"), base=fp32)
+    b = floor.capture(ids)
+    assert (fp32.info["dtype"], floor.info["dtype"]) == ("float32", "float64")
+    assert a.keys() == b.keys() and "logits" in a
+    assert not torch.equal(a["logits"], b["logits"])                       # a different rounding ...
+    assert torch.allclose(a["logits"], b["logits"], rtol=0, atol=1e-3)    # ... of the same model
+    assert fp32.load_s > 0 and fp32.forward_s > 0 and floor.forward_s > 0
+    assert torch.equal(fp32.capture(ids)["logits"], a["logits"])   # the copy left the fp32 load as it was
