@@ -101,15 +101,14 @@ class Block:
     def run_attn(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id), ctx.state.shared, ctx.num)
 
-    def moe(self, x: torch.Tensor, num: Numerics, image_mask: torch.Tensor | None = None,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The MoE over the rows of `x`, given what its routing may read: the V4.1 router the image mask
-        (bias_vl), the V4 router the token ids (hash-routed layers)."""
-        return self.ffn(x, num, image_mask)
+    def moe(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The MoE over the rows of `x` (one sequence's, or a group's concatenated with `ctx` describing the same
+        rows); the V4.1 router reads which rows are image tokens (bias_vl, §13.1)."""
+        return self.ffn(x, ctx.num, ctx.image_mask)
 
     def __call__(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
         ffn_in, pending = self.attention_part(x, pre_in, ctx)
-        return self.ffn_part(self.moe(ffn_in, ctx.num, ctx.image_mask, ctx.input_ids), pending, ctx.num)
+        return self.ffn_part(self.moe(ffn_in, ctx), pending, ctx.num)
 
     # The block in two parts, so that a runner can send the FFN inputs of several sequences through one
     # MoE call (every op is row-independent, numerics.in_f64): each expert weight is then used once per

@@ -30,10 +30,9 @@ class BlockV4(Block):
     def run_attn(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.attn(x, ctx.start_pos, ctx.state.cache(self.layer_id, LayerCacheV4), ctx.num)
 
-    def moe(self, x: torch.Tensor, num: Numerics, image_mask: torch.Tensor | None = None,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # V4 has no vision path: the router reads the token ids alone
-        return self.ffn(x, num, input_ids)
+    def moe(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """V4 has no vision path: its router reads the rows' token ids alone (hash-routed layers)."""
+        return self.ffn(x, ctx.num, ctx.input_ids)
 
     def attention_part(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext):
         """-> (the FFN input [b, s, d], what ffn_part needs)."""

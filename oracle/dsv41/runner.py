@@ -383,7 +383,8 @@ def _layer_stage_step(block: Block, engram: Engram | None, hasher: NgramHasher |
             del h, pre
         lengths = [x.shape[1] for x in ffn_inputs]
         # the token ids travel with the rows: V4's hash-routed layers pick experts by them
-        y = block.moe(torch.cat(ffn_inputs, dim=1), runs[0][0].num, input_ids=torch.cat(group_ids, dim=1))
+        y = block.moe(torch.cat(ffn_inputs, dim=1),
+                      StepContext(0, runs[0][0], input_ids=torch.cat(group_ids, dim=1)))
         del ffn_inputs
         out = []
         for (st, pending), y_seq in zip(runs, torch.split(y, lengths, dim=1)):
