@@ -3,7 +3,7 @@ harness writes or reads them.
 
 A run claims its folder once (`ResultsFolder.claim` for a given ``--results`` / ``--out``, `ResultsFolder.fresh`
 for the default ``results/<timestamp>``): the folder then holds that run only, marked and locked for as long as
-the run lives (the refusals are core/paths.py's, docs/RELIABILITY.md "Verdict integrity"). A reader of a finished
+the run lives (the refusals are below, docs/RELIABILITY.md "Verdict integrity"). A reader of a finished
 run (the nightly reading a cell, `ds41gate report`) opens it with `ResultsFolder.of` and claims nothing.
 
 What lies in a results folder::
@@ -28,8 +28,12 @@ no file of a run lies outside its folder.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import json
 import os
+import shutil
+import socket
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,8 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import pydantic
 from pydantic import ConfigDict, Field, TypeAdapter
 from pydantic.dataclasses import dataclass as typed_record
+from filelock import FileLock, Timeout
 
 from core import paths
+from core.atomic import make_folder
+from core.errors import ResultsDirError
 from core.atomic import write_json_atomic
 from core.errors import UserError
 from core.results import FILE_NAME as RESULTS_FILE
@@ -124,13 +131,164 @@ _PER_PROMPT = TypeAdapter(PerPrompt)
 
 @typed_record(frozen=True, config=ConfigDict(extra="ignore", strict=True))
 class RunMarker:
-    """What the harness wrote into `.ds41-results` when a run claimed the folder (core/paths.py)."""
+    """What the harness wrote into `.ds41-results` when a run claimed the folder (`_write_marker`)."""
 
     format: Literal["ds41-results-dir/1"]
     run_id: str
     pid: int | None = None
     host: str | None = None
     created: str | None = None
+
+
+# ------------------------------------------------------------------- claiming a folder for one run (the rules)
+
+RUN_MARKER = ".ds41-results"            # written by the harness when it claims a folder: {format, run_id, ...}
+RUN_LOCK = ".ds41-results.lock"         # held (filelock) for as long as the run that claimed the folder lives
+MARKER_FORMAT = "ds41-results-dir/1"
+# the locks this process holds, by folder: released by `_release` (or when the process ends)
+_HELD: dict[Path, FileLock] = {}
+
+
+def _describe(entries: list[str]) -> str:
+    shown = sorted(entries)[:5]
+    return ", ".join(shown) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
+def _read_marker(folder: Path) -> dict | None:
+    """The run marker of `folder` when it is one the harness wrote (a plain file, a JSON object of
+    MARKER_FORMAT with a run id), else None: a file merely named like it marks nothing."""
+    marker = folder / RUN_MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        doc = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT or not isinstance(doc.get("run_id"), str):
+        return None
+    return doc
+
+
+def _holder(folder: Path) -> str:
+    doc = _read_marker(folder)
+    if doc is None:
+        return "a run that has not written its marker yet"
+    return (f"run {doc.get('run_id')} (pid {doc.get('pid')} on {doc.get('host')}, since "
+            f"{doc.get('created')})")
+
+
+def _lock(folder: Path, option: str) -> None:
+    """Take this folder's run lock without waiting; held by another live run: ResultsDirError naming it."""
+    folder = folder.resolve()
+    if folder in _HELD:
+        raise ResultsDirError(f"{option} {folder}: this process already holds it for another run")
+    lock = FileLock(folder / RUN_LOCK, timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ResultsDirError(f"{option} {folder}: in use by {_holder(folder)}; a results folder holds one run "
+                              "at a time — wait for it to finish, or choose another folder") from None
+    _HELD[folder] = lock
+
+
+def _release(folder: str | os.PathLike) -> None:
+    """Let go of the run lock this process took on `folder` (a no-op when it holds none)."""
+    lock = _HELD.pop(Path(folder).resolve(), None)
+    if lock is not None:
+        lock.release(force=True)
+
+
+def _claim(path: str | os.PathLike, *, replace: bool = False, option: str = "--results",
+                      replace_option: str = "--replace-results") -> Path:
+    """Make `path` the folder of exactly one run, locked for this process, and return it.
+
+    Absent: created. Empty: used. Holding anything: refused (ResultsDirError) unless `replace`, and then only
+    when it carries the run marker a harness run wrote when it claimed it (a folder merely holding a
+    results.json or report.json — a checkout, `.git/` — is never cleared); its contents are removed first, so
+    no file of the earlier run (a PASS report beside this run's ERROR) survives. The folder's run lock (a
+    filelock) is taken before anything is removed and held until `_release` or the end of the
+    process, so a second run on the same folder, with or without `replace`, is refused naming the holder.
+    Call this only after the run's own inputs are checked: a run that stops on a bad input clears nothing."""
+    folder = Path(path)
+    make_folder(folder, ResultsDirError, f"{option} {folder}")
+    if RUN_LOCK not in os.listdir(folder):      # not yet a run's folder: refused before a lock file is made in it
+        _refuse_unless_claimable(folder, os.listdir(folder), replace, option, replace_option)
+    _lock(folder, option)                        # a run still holding it is named, with or without `replace`
+    try:
+        entries = [e for e in os.listdir(folder) if e != RUN_LOCK]
+        _refuse_unless_claimable(folder, entries, replace, option, replace_option)  # again, now that it is ours
+        for entry in entries:
+            p = folder / entry
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        _write_marker(folder, option)
+    except BaseException:
+        _release(folder)
+        raise
+    return folder
+
+
+def _check(path: str | os.PathLike | None, *, replace: bool = False, option: str = "--results",
+                      replace_option: str = "--replace-results") -> None:
+    """`_claim`'s refusals without touching anything (no folder made, nothing cleared, no lock): a
+    caller whose inputs take a while to check refuses a reused folder before that work, and claims it after."""
+    if path is None:
+        return
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ResultsDirError(f"{option} {folder}: exists and is not a folder")
+    if folder.is_dir():
+        _refuse_unless_claimable(folder, os.listdir(folder), replace, option, replace_option)
+
+
+def _refuse_unless_claimable(folder: Path, entries: list[str], replace: bool, option: str,
+                             replace_option: str) -> None:
+    entries = [e for e in entries if e != RUN_LOCK]
+    if not entries:
+        return
+    if not replace:
+        raise ResultsDirError(
+            f"{option} {folder}: folder is not empty ({_describe(entries)}); a results folder holds one run — "
+            f"choose a new folder, or pass {replace_option} to clear it first")
+    if _read_marker(folder) is None:
+        raise ResultsDirError(
+            f"{option} {folder}: folder is not empty and carries no ds41-gates run marker ({RUN_MARKER}); "
+            f"{replace_option} clears only a folder an earlier run claimed — refusing to clear it")
+
+
+def _write_marker(folder: Path, option: str) -> None:
+    try:
+        fd = os.open(folder / RUN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise ResultsDirError(f"{option} {folder}: another run claimed this folder at the same time") from None
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"format": MARKER_FORMAT, "run_id": uuid.uuid4().hex[:12], "pid": os.getpid(),
+                   "host": socket.gethostname(),
+                   "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fresh(root: str | os.PathLike = "results", stem: str | None = None) -> Path:
+    """A new folder `root/<stem or timestamp>[-N]` that no other run has used (created exclusively)."""
+    base = Path(root)
+    stem = stem or _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        folder = base / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            n += 1
+            continue
+        _lock(folder, "results folder")
+        _write_marker(folder, "results folder")
+        return folder
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,18 +298,18 @@ class ResultsFolder:
 
     path: Path
 
-    # ------------------------------------------------------------------ claiming (core/paths.py's rules)
+    # ------------------------------------------------------------------ claiming (the rules above)
     @classmethod
     def claim(cls, path: str | os.PathLike, *, replace: bool = False, option: str = "--results",
               replace_option: str = "--replace-results") -> ResultsFolder:
         """`path` made this run's folder: absent or empty, or — with `replace` — an earlier run's folder cleared
         first; anything else is a ResultsDirError naming `option`. Call it after the run's inputs are checked."""
-        return cls(paths.claim_results_dir(path, replace=replace, option=option, replace_option=replace_option))
+        return cls(_claim(path, replace=replace, option=option, replace_option=replace_option))
 
     @classmethod
     def fresh(cls, root: str | os.PathLike = "results", stem: str | None = None) -> ResultsFolder:
         """A new `root/<stem or timestamp>[-N]` no other run has used, claimed for this run."""
-        return cls(paths.fresh_results_dir(root, stem))
+        return cls(_fresh(root, stem))
 
     @classmethod
     def claim_or_fresh(cls, path: str | os.PathLike | None, *, replace: bool = False, option: str = "--results",
@@ -165,7 +323,7 @@ class ResultsFolder:
     def check(path: str | os.PathLike | None, *, replace: bool = False, option: str = "--results",
               replace_option: str = "--replace-results") -> None:
         """`claim`'s refusals without touching anything: refuse a reused folder before slow input checks."""
-        paths.check_results_dir(path, replace=replace, option=option, replace_option=replace_option)
+        _check(path, replace=replace, option=option, replace_option=replace_option)
 
     @classmethod
     def of(cls, path: str | os.PathLike) -> ResultsFolder:
@@ -174,11 +332,11 @@ class ResultsFolder:
 
     def release(self) -> None:
         """Let go of this run's lock on the folder (a no-op when this process holds none)."""
-        paths.release_results_dir(self.path)
+        _release(self.path)
 
     @property
     def marker_file(self) -> Path:
-        return self.path / paths.RUN_MARKER
+        return self.path / RUN_MARKER
 
     def holds_a_run(self) -> bool:
         """Whether a gate run wrote here: results.json, or a file named as the run marker (even one that marks
@@ -187,7 +345,7 @@ class ResultsFolder:
 
     def marker(self) -> RunMarker | None:
         """The run marker, when one the harness wrote is there (a file merely named like it marks nothing)."""
-        doc = paths.read_marker(self.path)
+        doc = _read_marker(self.path)
         return None if doc is None else RunMarker(**doc)
 
     # ------------------------------------------------------------------ names

@@ -6,12 +6,11 @@ suite run the same code path. IO (servers, files) stays here; metrics and verdic
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
 from core.console import echo
-from core.paths import cache_dir, claim_results_dir, fresh_results_dir, safe_name
+from core.paths import cache_dir, safe_name
 from core.records import Record, RecordError, RecordMismatch
 from core.verdicts import PanelGateResult
 from engine.models import default_model_dir
@@ -156,10 +155,3 @@ def write_report(ref: Record, engines: Sequence[tuple[str, Record]], out_dir: Pa
     return build_report(panel_evidence(pairs), out_dir, extra=sections, extra_plots=plots, verdicts=verdicts)
 
 
-def results_dir(base: str | os.PathLike | None = None, replace: bool = False, option: str = "--results") -> Path:
-    """The folder of this run, holding this run only: `base` claimed (core.paths.claim_results_dir: created,
-    or empty, or — with `replace` — an earlier results folder cleared first; anything else a ResultsDirError),
-    else a fresh `results/<timestamp>[-N]`."""
-    if base:
-        return claim_results_dir(base, replace=replace, option=option)
-    return fresh_results_dir(Path("results"))

@@ -622,15 +622,14 @@ def panel_reference(gate_session: GateSession, request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def long_reference(gate_target):
-    """``long_reference(encoded)`` -> the DeepSeek oracle's long-context reference of that encoded panel (chunked
-    prefill, logits only at scored positions, mechanism masks), cached (ds41gates.pipeline.ensure_long_reference)."""
+    """``long_reference(encoded)`` -> the target oracle's long-context reference of that encoded panel (chunked
+    prefill, logits only at scored positions, mechanism masks), cached (ds41gates.pipeline.ensure_long_reference);
+    an oracle kind without one is the registry's one-line error (asked only by a gate that applies)."""
     from ds41gates import pipeline
 
     def build(encoded):
-        if gate_target.oracle != "deepseek":   # asked only by a gate that applies (the others xfail first)
-            raise UserError(f"the long-context reference needs the deepseek oracle; the profile's target uses "
-                            f"{gate_target.oracle!r}")
-        return pipeline.ensure_long_reference(encoded, gate_target.model_dir, gate_target.precision)[0]
+        return pipeline.ensure_long_reference(encoded, gate_target.model_dir, gate_target.precision,
+                                              oracle=gate_target.oracle)[0]
 
     return build
 

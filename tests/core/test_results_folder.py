@@ -10,7 +10,7 @@ import pytest
 
 from core import metrics
 from core.errors import ResultsDirError, UnsafeNameError
-from core.paths import RUN_LOCK, RUN_MARKER
+from core.results_folder import RUN_LOCK, RUN_MARKER
 from core.results import GateEntry, GateResults, ResultsError
 from core.results_folder import (
     PER_PROMPT_FORMAT,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from core.errors import ResultsDirError
-from core.paths import RUN_LOCK, RUN_MARKER
+from core.results_folder import RUN_LOCK, RUN_MARKER
 from core.results import GateResults
 from core.results_folder import ResultsFolder
 from tests.core.recordkit import pair_of_records
