@@ -10,11 +10,11 @@ gates/bench_best_known.toml holds values for the profile, on a median below 0.95
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
 
+from core.errors import UserError
 from core.results import GateEntry, headline
 from gates import _engine
 from gates.lib import bench
@@ -22,6 +22,10 @@ from gates.lib import bench
 pytestmark = [pytest.mark.bench, pytest.mark.engine]
 
 BEST_KNOWN = Path(__file__).resolve().parent / "bench_best_known.toml"
+
+
+class BestKnownError(UserError, ValueError):
+    """gates/bench_best_known.toml is malformed (a profile table of metric = number)."""
 
 
 def _times(t: _engine.Timed) -> bench.StreamTimes:
@@ -126,7 +130,11 @@ def test_speed_bench(bench_result, engine_endpoint, gate_run, gate_config):
     r = bench_result
     best = {}
     if BEST_KNOWN.exists():
-        best = tomllib.loads(BEST_KNOWN.read_text()).get(engine_endpoint.profile, {})
+        from core.schema import read_model
+
+        # profile -> metric -> best-known median: read through the one TOML reader, numbers checked
+        table = read_model(dict[str, dict[str, float]], BEST_KNOWN, "best-known bench medians", BestKnownError)
+        best = table.get(engine_endpoint.profile, {})
     regress = bench.regressions(_medians(r), best, gate_config.bench.regression_ratio)
     r["regressions"] = regress
     r["best_known"] = best or None
