@@ -82,6 +82,11 @@ def test_a_launched_engine_gets_the_base_and_its_profile_env_and_no_harness_secr
     for k, v in canaries.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("LC_CTYPE", "C.UTF-8")          # base: inherited
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        # torch's inductor writes its default cache dir into os.environ of whichever process imports it — this
+        # harness (an earlier test) and vLLM's engine core alike, the same path: a harness value of its own keeps
+        # an engine's own default from reading as inherited, and an inherited value still shows
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}-harness-{tag}")
     _require_engine(name)
     prof = load_profile(name)
     srv = EngineServer(prof, echo=lambda m: None, overrides={"log_file": str(tmp_path / "engine.log")})
