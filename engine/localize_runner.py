@@ -427,25 +427,55 @@ def perturb(model, spec) -> dict:
 _TWEAK_ATTR = "_ds41_tweaks"
 
 
+class _ScaledPackedLinear:
+    """``cpu_linear`` of a linear whose weight vLLM CPU packed and dropped (its ``weight`` is then empty): the
+    packed GEMM's output times ``scale``, which is the layer with its weight matrix times ``scale`` (these gates
+    have no bias)."""
+
+    def __init__(self, orig, scale: float):
+        self.orig, self.scale = orig, scale
+
+    def __call__(self, x, weight, bias):
+        return self.orig(x, weight, bias) * self.scale
+
+
 def tweak(model, edits) -> dict:
     """A test-only fault planted in the weights, the way a changed checkpoint would plant it (not an output
     scale): ``edits`` a list of {"param": qualified name, "index": an index into it (int, list of ints, or None
-    for all of it), "scale": x, "add": y}; the parameter slice becomes ``slice * scale + add``. ``None`` or [] puts
-    back every edited slice. -> what is edited now."""
+    for all of it), "scale": x, "add": y}; the parameter slice becomes ``slice * scale + add``. A parameter the
+    engine emptied (vLLM CPU packs small linears, e.g. the MoE gate, and drops ``weight``) is refused, naming it;
+    such a linear's whole weight is scaled with {"packed_linear": module name, "scale": x} (its packed GEMM's
+    output scaled: the same product, bias-free). ``None`` or [] puts back every edit. -> what is edited now."""
     import torch
 
     saved = getattr(model, _TWEAK_ATTR, None) or []
     with torch.no_grad():
-        for param, idx, orig in reversed(saved):
-            param.data[idx] = orig
+        for target, idx, orig in reversed(saved):
+            if idx is _TWEAK_ATTR:            # a packed linear: its own GEMM back
+                target.cpu_linear = orig
+            else:
+                target.data[idx] = orig
     setattr(model, _TWEAK_ATTR, [])
     done = []
     params = dict(model.named_parameters())
     for e in edits or ():
+        if "packed_linear" in e:
+            mod = model.get_submodule(e["packed_linear"])
+            orig_fn = getattr(mod, "cpu_linear", None)
+            if orig_fn is None:
+                raise KeyError(f"tweak: {e['packed_linear']!r} has no packed GEMM (cpu_linear); tweak its weight")
+            getattr(model, _TWEAK_ATTR).append((mod, _TWEAK_ATTR, orig_fn))
+            mod.cpu_linear = _ScaledPackedLinear(orig_fn, float(e["scale"]))
+            done.append({"packed_linear": e["packed_linear"], "scale": float(e["scale"]),
+                         "changed": int(float(e["scale"]) != 1.0)})
+            continue
         if e["param"] not in params:
             near = [n for n in params if n.rsplit(".", 2)[-2:] == e["param"].rsplit(".", 2)[-2:]][:4]
             raise KeyError(f"tweak: no parameter {e['param']!r} (like it: {near})")
         param = params[e["param"]]
+        if param.numel() == 0:
+            raise KeyError(f"tweak: parameter {e['param']!r} is empty in the engine (packed into its GEMM and "
+                           f"dropped at load); use {{'packed_linear': {e['param'].rsplit('.', 1)[0]!r}, 'scale': x}}")
         idx = e.get("index")
         idx = slice(None) if idx is None else tuple(idx) if isinstance(idx, list) else idx
         with torch.no_grad():

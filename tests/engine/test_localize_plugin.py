@@ -355,3 +355,21 @@ def test_the_engines_head_runs_over_every_row_in_chunks():
     torch.testing.assert_close(got, head.lm(h).float(), rtol=0, atol=0)
     head.compute_logits = lambda h: None          # a PP rank without the head: nothing
     assert lr.logits_rows(head, h) is None
+
+
+def test_a_tweak_of_a_weight_the_engine_dropped_is_refused_and_its_packed_gemm_is_scaled_instead():
+    from engine import localize_runner as lr
+
+    toy = _Toy()
+    gate = toy.model.layers[0].mlp
+    gate.cpu_linear = lambda x, w, b: x @ torch.ones(4, 4)       # what vLLM CPU leaves after packing
+    x = torch.randn(3, 4)
+    before = gate.cpu_linear(x, None, None)
+    gate.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    with pytest.raises(KeyError, match=r"empty in the engine.*packed_linear.*model\.layers\.0\.mlp"):
+        lr.tweak(toy, [{"param": "model.layers.0.mlp.weight", "index": None, "scale": 1.05}])
+    info = lr.tweak(toy, [{"packed_linear": "model.layers.0.mlp", "scale": 1.05}])
+    assert info["edits"][0]["changed"] == 1
+    torch.testing.assert_close(gate.cpu_linear(x, None, None), before * 1.05)
+    lr.tweak(toy, None)                                              # put back
+    torch.testing.assert_close(gate.cpu_linear(x, None, None), before, rtol=0, atol=0)
