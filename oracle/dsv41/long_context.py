@@ -57,6 +57,7 @@ from .model import Model
 from .numerics import PRECISION_MODES, TieStats
 from .options import TOP_K, RunnerError, compute_context
 from .runner import checkpoint_identity, engram_token_map, full_weights, weights_read_hash
+from .workdir import record_to_file
 
 IDENTITY = "identity.json"
 DEFAULT_CHUNK = 512
@@ -248,13 +249,8 @@ def run_long(ck: Checkpoint, panel: EncodedPanel, work: str | Path, opts: LongOp
 
 def run_long_to_file(ck: Checkpoint, panel: EncodedPanel, out: str | Path, work: str | Path | None = None,
                      opts: LongOptions = LongOptions(), token_map: np.ndarray | None = None) -> Record:
-    out = Path(out)
-    work = Path(work) if work is not None else out.with_name(out.name + ".work")
-    rec = run_long(ck, panel, work, opts, token_map)
-    rec.save(out)
-    if not opts.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
-    return rec
+    """`run_long`, then write the record atomically and (unless keep_work) delete the work dir."""
+    return record_to_file(lambda w: run_long(ck, panel, w, opts, token_map), out, work, opts.keep_work)
 
 
 def _open_work(work: Path, identity: dict, restart: bool) -> None:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +61,7 @@ from .numerics import Numerics, TieStats
 from .options import TOP_K, RunnerError, RunOptions, compute_context
 from .spill import StageReader, StageWriter
 from .tiny import is_tiny_checkpoint
-from .workdir import KILL_ENV, MANIFEST, Manifest, RunTotals, WorkDir, fault
+from .workdir import KILL_ENV, MANIFEST, Manifest, RunTotals, WorkDir, fault, record_to_file
 
 __all__ = ["DSV41Oracle", "KILL_ENV", "MANIFEST", "RunOptions", "RunnerError", "checkpoint_identity", "engram_token_map",
            "forward_in_memory", "run_panel", "run_to_file"]
@@ -104,13 +103,7 @@ class DSV41Oracle:
 def run_to_file(ck: Checkpoint, panel: EncodedPanel, out: str | os.PathLike, work: str | os.PathLike | None = None,
                 opts: RunOptions = RunOptions(), token_map: np.ndarray | None = None) -> Record:
     """`run_panel`, then write the record atomically and (unless keep_work) delete the work dir."""
-    out = Path(out)
-    work = Path(work) if work is not None else out.with_name(out.name + ".work")
-    rec = run_panel(ck, panel, work, opts, token_map)
-    rec.save(out)
-    if not opts.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
-    return rec
+    return record_to_file(lambda w: run_panel(ck, panel, w, opts, token_map), out, work, opts.keep_work)
 
 
 def run_panel(ck: Checkpoint, panel: EncodedPanel, work: str | os.PathLike, opts: RunOptions = RunOptions(),

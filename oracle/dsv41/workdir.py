@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,3 +167,16 @@ class WorkDir:
         with atomic_path(self.manifest_path) as tmp:
             tmp.write_text(json.dumps(manifest.to_json(self.job, self.identity), sort_keys=True))
             hook("manifest-written")
+
+
+def record_to_file(make: Callable[[Path], Any], out: str | os.PathLike, work: str | os.PathLike | None,
+                   keep_work: bool):
+    """``make(work_dir)`` -> a record, written atomically to ``out``; the work dir (default ``<out>.work``, where a
+    killed run resumes) is deleted after unless ``keep_work``."""
+    out = Path(out)
+    work = Path(work) if work is not None else out.with_name(out.name + ".work")
+    rec = make(work)
+    rec.save(out)
+    if not keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return rec
