@@ -224,6 +224,18 @@ class ReportSection:
     note: str = ""
 
 
+def json_object(text: str, refused: str, error: type[Exception]) -> dict:
+    """``text`` parsed as a JSON object; else ``error`` as one line, ``<refused>: not JSON (...)`` or ``<refused>:
+    found a JSON <type>, not an object`` (the shared first check of every typed file the harness reads back)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise error(f"{refused}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{refused}: found a JSON {type(data).__name__}, not an object")
+    return data
+
+
 @dataclass(frozen=True, config=_RECORD)
 class GateResults:
     """A gate run's results.json. Each ``with_*`` returns a new value; an entry keyed like an earlier one
@@ -334,12 +346,7 @@ class GateResults:
     @classmethod
     def from_json(cls, text: str, where: str = FILE_NAME) -> GateResults:
         refused = f"{where}: not a {FORMAT_VERSION} results file"
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ResultsError(f"{refused}: not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ResultsError(f"{refused}: found a JSON {type(data).__name__}, not an object")
+        data = json_object(text, refused, ResultsError)
         if "format" not in data:
             raise ResultsError(f"{refused}: no format tag (found top-level keys {sorted(data)[:8]}), so written "
                                "before results were typed or by another tool (rerun the gates to get one)")

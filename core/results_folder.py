@@ -49,7 +49,7 @@ from core.errors import ResultsDirError
 from core.atomic import write_json_atomic
 from core.errors import UserError
 from core.results import FILE_NAME as RESULTS_FILE
-from core.results import GateResults
+from core.results import GateResults, json_object
 
 if TYPE_CHECKING:
     from core.records import Record
@@ -110,12 +110,7 @@ class PerPrompt:
     @classmethod
     def from_json(cls, text: str, where: str) -> PerPrompt:
         refused = f"{where}: not a {PER_PROMPT_FORMAT} file"
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise PerPromptError(f"{refused}: not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise PerPromptError(f"{refused}: found a JSON {type(data).__name__}, not an object")
+        data = json_object(text, refused, PerPromptError)
         if data.get("format") != PER_PROMPT_FORMAT:
             raise PerPromptError(f"{refused}: format {data.get('format')!r:.60}")
         try:
