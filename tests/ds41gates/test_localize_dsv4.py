@@ -166,7 +166,8 @@ def test_an_indexer_selection_fault_is_named_past_the_top_k(tmp_path):
     from panels.bench import prefill_prompt
 
     tok = load_tokenizer(oracle_for(PROFILE)[2])
-    ids = [int(t) for t in prefill_prompt(tok, INDEXER_TOKENS, salt="localize-indexer", chat=False).token_ids]
+    ids = [int(t) for t in prefill_prompt(tok, INDEXER_TOKENS + 200, salt="localize-indexer",
+                                          chat=False).token_ids][:INDEXER_TOKENS]
     assert len(ids) == INDEXER_TOKENS
     source = {"kind": "prompt", "text": "panels.bench.prefill_prompt(salt=localize-indexer)"}
     cases = [{"name": "clean", "perturb": None},
