@@ -54,6 +54,8 @@ import sys
 import time
 import traceback
 
+from engine.inproc import request_main, write_report
+
 SITES = ("attn", "mlp", "resid")           # per decoder layer
 # DeepSeek-V4's, where a layer has them
 STREAM_SITES = ("attn_in", "compressor", "attn_stream", "ffn_in", "indexer", "router", "router_weights")
@@ -682,22 +684,10 @@ def run(request: dict) -> dict:
     llm.apply_model(remove)
     report["total_s"] = time.perf_counter() - t0
     report["max_rss_mb"] = round(_max_rss_mb(), 1)
-    with open(request["report"], "w") as fh:
-        json.dump(report, fh, indent=1)
+    write_report(report, request["report"])
     return report
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m engine.localize_runner request.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as fh:
-        run(json.load(fh))
-    return 0
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(request_main(run, "engine.localize_runner", {
+        "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}))

@@ -16,12 +16,13 @@ distributed group and a current vLLM config; both are set up here and torn down 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
 import traceback
+
+from engine.inproc import request_main, write_report
 
 
 def _free_port() -> int:
@@ -117,20 +118,9 @@ def run(request: dict) -> dict:
         destroy_distributed_environment()
         scope.__exit__(None, None, None)
     save_file(outputs, request["outputs"])
-    with open(request["report"], "w") as fh:
-        json.dump(report, fh, indent=1)
+    write_report(report, request["report"])
     return report
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m engine.vision_tower_runner request.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as fh:
-        run(json.load(fh))
-    return 0
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(request_main(run, "engine.vision_tower_runner", {"VLLM_LOGGING_LEVEL": "WARNING"}))

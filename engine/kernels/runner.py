@@ -13,14 +13,14 @@ the runner goes on with the next one.
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import sys
 import time
 import traceback
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from engine.inproc import request_main, write_report
 
 # -- V4 fp8_ds_mla paged cache (per block of B tokens: B x [448 e4m3 | 64 bf16], then B x 8 ue8m0 bytes) ------
 _TOKEN_BYTES, _SCALE_BYTES, _NOPE, _ROPE, _QB = 576, 8, 448, 64, 64
@@ -179,20 +179,9 @@ def run(request: dict) -> dict:
         report["cases"][cid] = rec
     report["cpu"], report["missing_ops"] = _v4_kernel_availability()
     save_file(outputs, request["outputs"])
-    with open(request["report"], "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, request["report"])
     return report
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m engine.kernels.runner request.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
-        run(json.load(f))
-    return 0
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(request_main(run, "engine.kernels.runner", {"VLLM_LOGGING_LEVEL": "WARNING"}))
