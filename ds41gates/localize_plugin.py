@@ -8,8 +8,8 @@ The localizer runs the profile's vLLM in process, so it needs ``--engine-profile
 profile of the one ``--engine-url`` points at) with the session's ``--engine-flag`` flags, and nothing else: no
 engine inherits the session's environment (engine/environment.py), and a session whose environment carries the
 fault injector's ``DS41_PERTURB_*`` refuses to start (ds41gates/pytest_plugin.py), so there is no planted fault
-to hand on; faults are planted through ``ds41gate localize --engine-env`` only. Registered by the root
-conftest.py beside ds41gates.pytest_plugin.
+to hand on; faults are planted through ``ds41gate localize --engine-env`` only. Registered, beside
+ds41gates.pytest_plugin, as a ``pytest11`` entry point of the package (pyproject.toml).
 """
 
 from __future__ import annotations
