@@ -16,8 +16,7 @@ gates passed), and the two report tables (mechanism x depth bucket, and flag by 
 from __future__ import annotations
 
 from collections.abc import Sequence
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from core.coverage import coverage_of_record
@@ -69,8 +68,9 @@ def judge_session(run: Any, registry: Any, engine_flags: Sequence[str] = (), ab_
     references) and ``ab_flags`` (A/B'd: each judged over its own on-arm's references only) and the tables into
     ``run`` (a pytest plugin GateRun); returns the verdicts. Nothing is written when the session scored no
     reference and is about no flag."""
-    for arm in [None, *dict.fromkeys(r.arm for r in run.coverages if r.arm is not None)]:
-        merged, sources, unstated = _reached([r for r in run.coverages if r.arm == arm])
+    arms = [None, *dict.fromkeys(r.arm for r in run.coverages if r.arm is not None)]
+    reached = {arm: _reached([r for r in run.coverages if r.arm == arm]) for arm in arms}
+    for arm, (merged, sources, unstated) in reached.items():
         if merged is not None:   # one table per arm: an A/B's two arms score the same positions twice
             run.add_section(coverage_title(arm), coverage_rows(merged),
                             f"cells: positions with the mechanism live / scored positions of the bucket, over "
@@ -81,10 +81,10 @@ def judge_session(run: Any, registry: Any, engine_flags: Sequence[str] = (), ab_
     for flag in dict.fromkeys([*engine_flags, *ab_flags]):
         mechanisms = registry.get(flag).mechanisms if flag in registry else ()
         arm = flag if flag in ab else None
-        verdict = judge_flag(flag, mechanisms, *_reached([r for r in run.coverages if r.arm == arm]))
+        verdict = judge_flag(flag, mechanisms, *reached.get(arm, (None, [], [])))
         if arm is not None and verdict.verdict == "not exercised":
-            verdict = dataclasses.replace(verdict, why=f"{verdict.why}; an A/B flag counts only the positions its "
-                                                       f"flag-on arm scored")
+            verdict = replace(verdict, why=f"{verdict.why}; an A/B flag counts only the positions its flag-on arm "
+                                           f"scored")
         if flag not in registry:
             verdict = type(verdict)(flag, "not declared", sources=verdict.sources,
                                     why="not in the flags registry: no mechanisms declared, coverage does not apply")

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,11 +138,14 @@ class GateRun:
     def add_section(self, title: str, rows: list[dict], note: str = "") -> None:
         self._save(self.results.with_section(ReportSection(title, rows, note)))
 
-    def add_coverage(self, source: str, reference, arm: str | None = None) -> None:
+    def add_coverage(self, reference, arm: str | None = None, lengths: Sequence[int] = ()) -> None:
         """Count an oracle reference's scored positions towards the mechanism coverage of ``arm`` (None: the
-        session's engine; a flag's name: its A/B on-arm) (ds41gates/coverage.py; judged at the session's end)."""
+        session's engine; a flag's name: its A/B on-arm) (ds41gates/coverage.py; judged at the session's end),
+        named by its panel (and the item ``lengths`` chosen from it)."""
         from ds41gates.coverage import add_reference
 
+        prov = reference.provenance
+        source = f"{prov.panel_name}@{prov.panel_version}" + (f":{list(lengths)}" if lengths else "")
         add_reference(self, source, reference, arm)
 
     def mark(self, outcome: GateOutcome) -> None:
@@ -698,10 +701,7 @@ def panel_engine_record(engine_endpoint, encoded_panel, gate_run: GateRun):
     rec = score_engine(engine_endpoint, encoded_panel, DEFAULT_ENGINE_K)
     gate_run.save_engine_record(engine_endpoint.profile, rec)
     if gate_run.reference is not None:   # the positions scored are the reference's: what they reached counts
-        from ds41gates.coverage import add_reference
-
-        ref = gate_run.reference.provenance
-        add_reference(gate_run, f"{ref.panel_name}@{ref.panel_version}", gate_run.reference)
+        gate_run.add_coverage(gate_run.reference)
     return rec
 
 

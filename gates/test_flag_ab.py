@@ -97,8 +97,7 @@ def on_record(flag_name, flag_on, encoded_panel, engine_endpoint, panel_referenc
     label = f"{engine_endpoint.profile}+{flag_name}"
     gate_run.save_engine_record(label, rec)
     # the panel's positions, scored by the flag's own arm, count towards the flag's coverage
-    prov = panel_reference.provenance
-    gate_run.add_coverage(f"{prov.panel_name}@{prov.panel_version}", panel_reference, arm=flag_name)
+    gate_run.add_coverage(panel_reference, arm=flag_name)
     return rec
 
 
@@ -217,14 +216,12 @@ def test_speed(request, entry, flag_on, engine_endpoint, ab_prompts, greedy_toke
 def depth_items(gate_config, gate_target, engine_facts, engine_endpoint):
     """long@1's items of the profile's kl_lengths (past the indexer's 2,048 on vllm-cpu-dsv4), encoded; a profile
     with none, or whose engine cannot hold them, is not applicable here (xfail, never PASS)."""
-    from gates.lib.depth import long_items
+    from gates.lib.depth import long_items, not_applicable
 
     lengths = tuple(gate_config.long_context.kl_lengths)
-    limit = engine_facts["max_model_len"]
-    if not lengths or limit is None or max(lengths) > limit:
-        pytest.xfail(f"depth A/B not applicable to {engine_endpoint.profile!r}: "
-                     + (f"max_model_len {limit} cannot hold {max(lengths)} tokens" if lengths
-                        else "no [long_context] kl_lengths in its sizes"))
+    why = not_applicable(lengths, engine_facts["max_model_len"], engine_endpoint.profile)
+    if why:
+        pytest.xfail(f"depth A/B not applicable: {why}")
     return lengths, long_items(lengths, gate_config.long_context.kl_domains, gate_target.tokenizer)
 
 
@@ -238,9 +235,7 @@ def _depth_record(endpoint, depth_items, depth_reference, gate_run, arm):
 
     lengths, encoded = depth_items
     rec = score_engine(endpoint, encoded, DEFAULT_ENGINE_K)
-    ref = depth_reference
-    gate_run.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{list(lengths)}", ref,
-                          arm=arm)
+    gate_run.add_coverage(depth_reference, arm=arm, lengths=lengths)
     return rec
 
 

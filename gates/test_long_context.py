@@ -109,13 +109,11 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
     session's coverage (gate_run.add_coverage), and the per-bucket KL table and the coverage table go to the
     report."""
     from engine.endpoint import DEFAULT_ENGINE_K, score_engine
-    from gates.lib.depth import judge_at_depth, long_items
+    from gates.lib.depth import judge_at_depth, long_items, not_applicable
 
     profile = engine_endpoint.profile
-    limit = engine_facts["max_model_len"]
-    if not lengths or limit is None or max(lengths) > limit:
-        why = (f"no long@1 lengths configured for profile {profile!r}" if not lengths
-               else f"max_model_len {limit} cannot hold {max(lengths)} tokens")
+    why = not_applicable(lengths, engine_facts["max_model_len"], profile)
+    if why:
         gate_run.add(GateEntry(gate_name, None, profile=profile, failures=(why,)))
         pytest.xfail(f"{gate_name} not applicable: {why}")
     encoded = long_items(lengths, gate_config.long_context.kl_domains, gate_target.tokenizer)
@@ -124,7 +122,7 @@ def _kl_by_depth(lengths, gate_name, engine_endpoint, engine_facts, gate_target,
     t1 = time.perf_counter()
     eng = score_engine(engine_endpoint, encoded, DEFAULT_ENGINE_K)
     t2 = time.perf_counter()
-    gate_run.add_coverage(f"{ref.provenance.panel_name}@{ref.provenance.panel_version}:{lengths}", ref)
+    gate_run.add_coverage(ref, lengths=lengths)
     verdict = judge_at_depth(ref, eng, gate_target.bands, profile)
     gate_run.add(GateEntry(gate_name, verdict.passed, profile=profile, failures=verdict.failures,
                            metrics=verdict.metrics(),

@@ -15,6 +15,16 @@ from core.metrics.by_depth import depth_reports, depth_rows
 from core.records import Record
 
 
+def not_applicable(lengths: Sequence[int], max_model_len: int | None, profile: str) -> str | None:
+    """Why long@1 at ``lengths`` cannot be scored on this engine (none configured, or its context cannot hold
+    them), or None when it can: a gate that cannot run at depth says so (xfail, never PASS)."""
+    if not lengths:
+        return f"no long@1 lengths configured for profile {profile!r}"
+    if max_model_len is None or max(lengths) > max_model_len:
+        return f"max_model_len {max_model_len} cannot hold {max(lengths)} tokens"
+    return None
+
+
 def long_items(lengths: Sequence[int], domains: Sequence[str], tokenizer):
     """long@1's items of ``lengths`` tokens (``domains``; none listed: every domain), encoded for the engine."""
     from panels import encode_panel, load_panel
